@@ -1,0 +1,133 @@
+"""The `wattserve` command line: serve, generate, config show, bench, device.
+
+Parses flags into per-section config overrides and dispatches; errors the user can fix
+(bad config, unloadable model) end as one line on stderr and a non-zero exit, never a
+traceback. It must not hold serving logic itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+
+from daemon.config import Config, ConfigError, default_cache_dir, load_config, render_toml
+
+# flag -> (section, key); the common keys a user sets from the shell.
+_FLAGS: dict[str, tuple[str, str, type]] = {
+    "--host": ("server", "host", str),
+    "--port": ("server", "port", int),
+    "--model": ("engine", "model", str),
+    "--dtype": ("engine", "dtype", str),
+    "--max-num-seqs": ("engine", "max_num_seqs", int),
+    "--max-num-batched-tokens": ("engine", "max_num_batched_tokens", int),
+    "--max-model-len": ("engine", "max_model_len", int),
+    "--kv-cache-bytes": ("engine", "kv_cache_bytes", int),
+    "--threads": ("engine", "threads", int),
+    "--device-backend": ("device", "backend", str),
+    "--device-mode": ("device", "mode", str),
+    "--controller-mode": ("controller", "mode", str),
+    "--power-budget-w": ("controller", "power_budget_w", float),
+}
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", help="TOML config file (also WATTSERVE_CONFIG)")
+    for flag, (section, key, typ) in _FLAGS.items():
+        p.add_argument(flag, dest=f"{section}__{key}", type=typ, default=None, metavar=key.upper())
+
+
+def _config_from_args(args: argparse.Namespace) -> Config:
+    overrides: dict[str, dict[str, object]] = {}
+    for dest, value in vars(args).items():
+        if "__" in dest and value is not None:
+            section, key = dest.split("__", 1)
+            overrides.setdefault(section, {})[key] = value
+    return load_config(args.config, overrides)
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    cfg = _config_from_args(args)
+    print(render_toml(cfg), end="")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from daemon.engine.engine import Engine, EngineOptions
+    from daemon.engine.loader import load_model
+    from daemon.engine.request import SamplingParams
+
+    cfg = _config_from_args(args)
+    loaded = load_model(cfg.engine.model, cfg.engine.cache_dir or default_cache_dir(),
+                        cfg.engine.dtype)
+    engine = Engine(loaded, EngineOptions.from_config(cfg.engine))
+    prompt = args.prompt
+    if not args.raw:
+        prompt = loaded.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    out = engine.generate([prompt], params)[0]
+    print(out.text)
+    print(
+        f"[{out.completion_tokens} tokens, finish_reason={out.finish_reason}, "
+        f"model loaded in {loaded.load_time_s:.1f} s]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from bench import engine as bench_engine
+
+    if args.which == "engine":
+        return bench_engine.main(args.rest)
+    print(f"wattserve: error: unknown benchmark {args.which!r}", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="wattserve", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("config", help="configuration")
+    csub = p.add_subparsers(dest="config_command", required=True)
+    show = csub.add_parser("show", help="print the effective configuration as TOML")
+    _add_config_flags(show)
+    show.set_defaults(func=_cmd_config_show)
+
+    p = sub.add_parser("generate", help="generate one completion offline (no server)")
+    _add_config_flags(p)
+    p.add_argument("prompt")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--raw", action="store_true", help="no chat template around the prompt")
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("bench", help="benchmarks (each prints one JSON line last)")
+    p.add_argument("which", choices=["engine"])
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from daemon.engine.loader import LoadError
+    from daemon.engine.request import InvalidRequestError
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except (ConfigError, LoadError, InvalidRequestError) as e:
+        print(f"wattserve: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

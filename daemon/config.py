@@ -1,0 +1,228 @@
+"""Effective configuration: defaults < TOML file < WATTSERVE_* environment < CLI flags.
+
+Every key lives in one of the sections [server], [engine], [device], [controller],
+[mqtt], and every key can also be set as WATTSERVE_<SECTION>__<KEY>. The result is
+frozen: nothing may write values back into it at runtime; values derived at runtime
+(the KV pool size, the chosen device backend) live in their own objects.
+Unknown keys and bad values raise ConfigError with one line naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+ENV_PREFIX = "WATTSERVE_"
+# Stand-alone variables that are not section keys.
+STANDALONE_ENV = {"WATTSERVE_CACHE", "WATTSERVE_API_TOKEN", "WATTSERVE_CONFIG"}
+
+
+class ConfigError(ValueError):
+    """A configuration problem, worded as one line that names the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    allowed_hosts: list[str] = Field(
+        default_factory=lambda: ["localhost", "127.0.0.1", "[::1]", "::1"],
+        description="Host header allowlist (DNS-rebinding defence); the bound address is added.",
+    )
+    max_body_bytes: int = Field(1 << 20, gt=0)
+    max_waiting_requests: int = Field(256, ge=0)
+    drain_timeout_s: float = Field(30.0, ge=0)
+    api_token: str | None = Field(None, description="Bearer token for /v1/control/*.")
+    api_token_file: Path | None = None
+    docs_enabled: bool = True
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class EngineConfig(_Section):
+    model: str = Field(
+        "embedded",
+        description="'embedded' (SmolLM2-135M-Instruct), a HF model directory or a .gguf file.",
+    )
+    served_model_name: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    cache_dir: Path | None = Field(
+        None, description="Converted-weights cache; default $WATTSERVE_CACHE or ~/.cache/wattserve."
+    )
+    block_size_tokens: int = Field(16, gt=0, le=1024)
+    kv_cache_bytes: int | None = Field(None, gt=0)
+    kv_cache_memory_fraction: float = Field(0.10, gt=0, le=0.9)
+    max_num_seqs: int = Field(64, gt=0)
+    max_num_batched_tokens: int = Field(512, gt=0)
+    max_model_len: int | None = Field(None, gt=0)
+    threads: int | None = Field(None, gt=0)
+    default_max_tokens: int = Field(256, gt=0)
+
+
+class DeviceConfig(_Section):
+    backend: Literal["auto", "nvml", "virtual"] = "auto"
+    mode: Literal["control", "observe"] = "observe"
+    gpu: str = Field("0", description="GPU index, UUID or PCI bus id.")
+    sample_hz: float = Field(10.0, gt=0, le=1000)
+    state_dir: Path | None = None
+
+
+class ControllerConfig(_Section):
+    mode: Literal["auto", "manual", "observe"] = "observe"
+    power_budget_w: float = Field(700.0, gt=0)
+    ttft_slo_ms: float = Field(2000.0, gt=0)
+    tpot_slo_ms: float = Field(200.0, gt=0)
+    slo_percentile: float = Field(99.0, gt=0, le=100)
+
+
+class MqttConfig(_Section):
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = Field(1883, ge=1, le=65535)
+    topic_prefix: str | None = None
+    node_id: str | None = None
+    telemetry_interval_ms: int = Field(1000, gt=0)
+
+
+class Config(BaseSettings):
+    """The whole effective configuration."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+    )
+
+    server: ServerConfig = ServerConfig()
+    engine: EngineConfig = EngineConfig()
+    device: DeviceConfig = DeviceConfig()
+    controller: ControllerConfig = ControllerConfig()
+    mqtt: MqttConfig = MqttConfig()
+
+    @model_validator(mode="after")
+    def _check_limits(self) -> Config:
+        if self.engine.max_num_batched_tokens < self.engine.block_size_tokens:
+            raise ValueError("engine.max_num_batched_tokens must be >= engine.block_size_tokens")
+        return self
+
+
+def _check_env_names(environ: dict[str, str]) -> None:
+    sections = set(Config.model_fields)
+    for name in environ:
+        if not name.startswith(ENV_PREFIX) or name in STANDALONE_ENV:
+            continue
+        rest = name[len(ENV_PREFIX) :].lower()
+        section = rest.split("__", 1)[0]
+        if section not in sections or "__" not in rest:
+            raise ConfigError(f"config error: unknown environment variable {name}")
+
+
+def _format_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    got = first.get("input")
+    shown = "" if first["type"] == "extra_forbidden" or isinstance(got, dict) else f" (got {got!r})"
+    return f"config error: {key}: {msg}{shown}"
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config error: {path}: file not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config error: {path}: invalid TOML: {e}") from None
+    unknown = sorted(set(data) - set(Config.model_fields))
+    if unknown:
+        raise ConfigError(f"config error: {unknown[0]}: unknown section (in {path})")
+    return data
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: dict[str, dict[str, Any]] | None = None,
+) -> Config:
+    """Build the effective config from the TOML file, the environment and CLI flags.
+
+    ``overrides`` holds CLI flags by section; a None value means "flag not given".
+    Precedence: CLI overrides > WATTSERVE_* environment > TOML file > defaults.
+    """
+    _check_env_names(dict(os.environ))
+    if path is None and os.environ.get("WATTSERVE_CONFIG"):
+        path = os.environ["WATTSERVE_CONFIG"]
+    file_data = _read_toml(Path(path)) if path is not None else {}
+    cli = {
+        section: {k: v for k, v in values.items() if v is not None}
+        for section, values in (overrides or {}).items()
+    }
+    cli = {section: values for section, values in cli.items() if values}
+
+    class _Layered(Config):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return (
+                InitSettingsSource(settings_cls, cli),
+                env_settings,
+                InitSettingsSource(settings_cls, file_data),
+            )
+
+    try:
+        return _Layered()
+    except ValidationError as e:
+        raise ConfigError(_format_error(e)) from None
+
+
+def default_cache_dir(environ: dict[str, str] | None = None) -> Path:
+    env = os.environ if environ is None else environ
+    if env.get("WATTSERVE_CACHE"):
+        return Path(env["WATTSERVE_CACHE"])
+    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "wattserve"
+
+
+def render_toml(cfg: Config) -> str:
+    """The effective configuration as TOML text (for `wattserve config show`)."""
+    lines: list[str] = []
+    for section, model in cfg.model_dump(mode="json").items():
+        lines.append(f"[{section}]")
+        for key, value in model.items():
+            if value is None:
+                lines.append(f"# {key} is unset")
+                continue
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'

@@ -1,0 +1,439 @@
+"""The engine: request intake, the step loop, and the knobs the controller turns.
+
+Requests come in from any thread through add_request/abort (validated there, queued
+for the loop); the loop thread alone owns the scheduler, the KV cache and the model.
+Each request's events go out through the sink callable it brought (the API wraps an
+asyncio queue in one). Batch limits change through set_limits(), read once at the top
+of each step; per-step statistics go to registered step hooks. Nothing here awaits,
+and nothing here speaks HTTP.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from daemon.engine.detokenizer import IncrementalDetokenizer
+from daemon.engine.kv_cache import KVCacheManager, KVCacheSpec, bytes_per_block
+from daemon.engine.loader import LoadedModel
+from daemon.engine.model import LlamaModel, model_shape
+from daemon.engine.request import InvalidRequestError, RequestOutput, SamplingParams
+from daemon.engine.sampler import make_generator, sample
+from daemon.engine.scheduler import EngineLimits, SchedulePlan, Scheduler, Sequence
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[RequestOutput], None]
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    block_size_tokens: int = 16
+    kv_cache_bytes: int | None = None
+    kv_cache_memory_fraction: float = 0.10
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    threads: int | None = None
+
+    @classmethod
+    def from_config(cls, engine_cfg) -> EngineOptions:
+        return cls(
+            block_size_tokens=engine_cfg.block_size_tokens,
+            kv_cache_bytes=engine_cfg.kv_cache_bytes,
+            kv_cache_memory_fraction=engine_cfg.kv_cache_memory_fraction,
+            max_num_seqs=engine_cfg.max_num_seqs,
+            max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
+            max_model_len=engine_cfg.max_model_len,
+            threads=engine_cfg.threads,
+        )
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step did; handed to step hooks (controller, device model, metrics)."""
+
+    step: int
+    started_at_s: float  # time.monotonic()
+    duration_s: float
+    prefill_tokens: int
+    decode_tokens: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preempted: int
+    num_finished: int
+    weight_bytes: int  # weights read by the step's matmuls
+    kv_bytes_read: int  # KV cache bytes read by attention
+
+
+@dataclass
+class EngineCounters:
+    requests_finished: dict[str, int] = field(
+        default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0}
+    )
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    preemptions: int = 0
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    params: SamplingParams
+    sink: Sink
+    detok: IncrementalDetokenizer
+    generator: torch.Generator
+    arrival_s: float
+    first_token_s: float | None = None
+
+
+class Engine:
+    """Continuous batching over a paged KV cache on one model."""
+
+    def __init__(self, loaded: LoadedModel, options: EngineOptions) -> None:
+        if options.threads:
+            torch.set_num_threads(options.threads)
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        cfg = loaded.hf_model.config
+        shape = model_shape(cfg)
+        dtype_bytes = torch.empty((), dtype=loaded.dtype).element_size()
+        bpb = bytes_per_block(
+            shape.num_layers,
+            options.block_size_tokens,
+            shape.num_kv_heads,
+            shape.head_dim,
+            dtype_bytes,
+        )
+        budget = options.kv_cache_bytes or int(
+            psutil.virtual_memory().available * options.kv_cache_memory_fraction
+        )
+        num_blocks = budget // bpb
+        if num_blocks < 1:
+            raise ValueError(f"KV cache budget {budget} bytes holds no block of {bpb} bytes")
+        self.kv_spec = KVCacheSpec(num_blocks, options.block_size_tokens, bpb)
+        limit = options.max_model_len or shape.max_position_embeddings
+        limit = min(limit, shape.max_position_embeddings, self.kv_spec.capacity_tokens)
+        window = getattr(cfg, "sliding_window", None)
+        if cfg.model_type == "mistral" and window:
+            limit = min(limit, window)  # no sliding-window attention: stay inside the window
+        self.max_model_len = limit
+        self.model = LlamaModel(
+            loaded.hf_model, num_blocks, options.block_size_tokens, loaded.dtype
+        )
+        self.kv = KVCacheManager(num_blocks, options.block_size_tokens)
+        self.scheduler = Scheduler(self.kv)
+        self._limits = EngineLimits(options.max_num_seqs, options.max_num_batched_tokens)
+        self.eos_token_ids = _eos_ids(loaded)
+        self._weight_bytes = self.model.weight_bytes()
+        self._kv_bytes_per_token = bpb // options.block_size_tokens
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests: dict[str, _Request] = {}
+        self._hooks: list[Callable[[StepStats], None]] = []
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._step_ids = itertools.count()
+        self.counters = EngineCounters()
+        self.last_step: StepStats | None = None
+        log.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB; max_model_len %d",
+            num_blocks,
+            options.block_size_tokens,
+            self.kv_spec.capacity_tokens,
+            self.kv_spec.total_bytes / 2**20,
+            self.max_model_len,
+        )
+
+    # ---- knobs -----------------------------------------------------------------
+    @property
+    def limits(self) -> EngineLimits:
+        return self._limits
+
+    def set_limits(
+        self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None
+    ) -> EngineLimits:
+        """The controller's batch actuator; takes effect at the next step. Drops nothing."""
+        new = EngineLimits(
+            max_num_seqs if max_num_seqs is not None else self._limits.max_num_seqs,
+            max_num_batched_tokens
+            if max_num_batched_tokens is not None
+            else self._limits.max_num_batched_tokens,
+        )
+        self._limits = new  # one reference swap: atomic for the loop thread
+        return new
+
+    def add_step_hook(self, hook: Callable[[StepStats], None]) -> None:
+        """hook(stats) runs on the loop thread after every step; it may sleep (virtual GPU)."""
+        self._hooks.append(hook)
+
+    # ---- intake (any thread) -------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        sink: Sink,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue a request; raises InvalidRequestError naming the parameter."""
+        params.validate()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", param="prompt")
+            ids = self.tokenize(prompt)
+        else:
+            ids = list(prompt)
+            vocab = self.model.shape.vocab_size
+            if any(
+                isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids
+            ):
+                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if not ids:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; this model's context is {self.max_model_len}",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context of {self.max_model_len} tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        rid = request_id or uuid.uuid4().hex
+        req = _Request(
+            seq=Sequence(rid, ids, priority=params.priority),
+            params=params,
+            sink=sink,
+            detok=IncrementalDetokenizer(self.tokenizer, ids, params.stop),
+            generator=make_generator(params.seed),
+            arrival_s=time.monotonic(),
+        )
+        self._inbox.put(("add", req))
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Abort from any thread; its blocks are freed at the top of the next step."""
+        self._inbox.put(("abort", request_id))
+
+    # ---- the loop ------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self._requests) or not self._inbox.empty()
+
+    def _drain_inbox(self, block_s: float) -> None:
+        try:
+            item = self._inbox.get(timeout=block_s) if block_s > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = item
+            if kind == "add":
+                self._requests[payload.seq.seq_id] = payload
+                self.scheduler.add(payload.seq)
+                self.counters.prompt_tokens += len(payload.seq.prompt_token_ids)
+            elif kind == "abort" and payload in self._requests:
+                self._finish(self._requests[payload], "abort")
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def step(self, block_s: float = 0.0) -> StepStats | None:
+        """Run one engine iteration; returns None when there was nothing to compute."""
+        self._drain_inbox(0.0 if self._requests else block_s)
+        plan = self.scheduler.schedule(self._limits)
+        if plan.is_empty:
+            return None
+        t0 = time.monotonic()
+        try:
+            inputs = self.model.prepare(
+                plan.chunks, {c.seq.seq_id: self.kv.table(c.seq.seq_id) for c in plan.chunks}
+            )
+            logits = self.model.forward(inputs)
+            reqs = [self._requests[c.seq.seq_id] for c in inputs.sampled_chunks]
+            tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        except Exception:  # a bug in one batch must not take the daemon down
+            log.exception("engine step failed; failing the %d requests in it", len(plan.chunks))
+            for c in plan.chunks:
+                if c.seq.seq_id in self._requests:
+                    self._finish(self._requests[c.seq.seq_id], "error", "internal engine error")
+            return None
+        sampled = {r.seq.seq_id: t for r, t in zip(reqs, tokens, strict=True) if t is not None}
+        self.scheduler.commit(plan, sampled)
+        now = time.monotonic()
+        finished = 0
+        for req, tok in zip(reqs, tokens, strict=True):
+            if tok is None:
+                self._finish(req, "error", "non-finite logits")
+                finished += 1
+            elif self._emit(req, tok, now):
+                finished += 1
+        stats = self._step_stats(plan, t0, now - t0, finished)
+        for hook in self._hooks:
+            hook(stats)
+        return stats
+
+    def _step_stats(self, plan: SchedulePlan, t0: float, dt: float, finished: int) -> StepStats:
+        decode = sum(1 for c in plan.chunks if c.num_tokens == 1)
+        prefill = plan.num_tokens - decode
+        ctx = sum(c.start + c.num_tokens for c in plan.chunks)
+        self.counters.steps += 1
+        self.counters.preemptions += len(plan.preempted)
+        stats = StepStats(
+            step=next(self._step_ids),
+            started_at_s=t0,
+            duration_s=dt,
+            prefill_tokens=prefill,
+            decode_tokens=decode,
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            kv_blocks_used=self.kv.num_used_blocks,
+            kv_blocks_total=self.kv.num_blocks,
+            num_preempted=len(plan.preempted),
+            num_finished=finished,
+            weight_bytes=self._weight_bytes,
+            kv_bytes_read=ctx * self._kv_bytes_per_token,
+        )
+        self.last_step = stats
+        return stats
+
+    def _emit(self, req: _Request, token: int, now: float) -> bool:
+        """Deliver one sampled token; returns True when the request finished."""
+        seq, p = req.seq, req.params
+        if req.first_token_s is None:
+            req.first_token_s = now
+        self.counters.generation_tokens += 1
+        reason = None
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        elif req.detok.add(token):
+            reason = "stop"
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self._finish(req, reason, last_token=token)
+            return True
+        req.sink(
+            RequestOutput(
+                seq.seq_id,
+                [token],
+                req.detok.take(),
+                prompt_tokens=len(seq.prompt_token_ids),
+                completion_tokens=len(seq.output_token_ids),
+            )
+        )
+        return False
+
+    def _finish(
+        self, req: _Request, reason: str, error: str | None = None, last_token: int | None = None
+    ) -> None:
+        seq = req.seq
+        self.scheduler.finish(seq.seq_id)
+        self._requests.pop(seq.seq_id, None)
+        self.counters.requests_finished[reason] += 1
+        text = req.detok.take(final=True) if reason != "error" else ""
+        req.sink(
+            RequestOutput(
+                seq.seq_id,
+                [last_token] if last_token is not None else [],
+                text,
+                finished=True,
+                finish_reason=reason,
+                error=error,
+                prompt_tokens=len(seq.prompt_token_ids),
+                completion_tokens=len(seq.output_token_ids),
+            )
+        )
+
+    # ---- threads ---------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("engine already started")
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="wattserve-engine", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.step(block_s=0.05)
+
+    def stop(self, abort_pending: bool = True, timeout_s: float = 10.0) -> None:
+        """Stop the loop thread; pending requests are aborted (their sinks hear it)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout_s)
+            self._thread = None
+        if abort_pending:
+            self._drain_inbox(0.0)
+            for req in list(self._requests.values()):
+                self._finish(req, "abort")
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- offline use (bench, tests) ---------------------------------------------------
+    def generate(
+        self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Run prompts to completion on the caller's thread; one merged output each."""
+        if self.is_running:
+            raise RuntimeError("generate() drives the loop itself; the engine thread is running")
+        prompts = list(prompts)
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        merged: dict[str, RequestOutput] = {}
+        order = []
+        for prompt, p in zip(prompts, plist, strict=True):
+            rid = self.add_request(prompt, p, lambda out: _merge(merged, out))
+            order.append(rid)
+        while self.has_work():
+            self.step()
+        return [merged[rid] for rid in order]
+
+
+def _merge(into: dict[str, RequestOutput], out: RequestOutput) -> None:
+    acc = into.setdefault(out.request_id, RequestOutput(out.request_id))
+    acc.token_ids.extend(out.token_ids)
+    acc.text += out.text
+    acc.finished, acc.finish_reason, acc.error = out.finished, out.finish_reason, out.error
+    acc.prompt_tokens, acc.completion_tokens = out.prompt_tokens, out.completion_tokens
+
+
+def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (
+        loaded.tokenizer.eos_token_id,
+        getattr(loaded.hf_model, "generation_config", None),
+    ):
+        value = getattr(source, "eos_token_id", source)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)

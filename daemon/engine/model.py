@@ -1,0 +1,231 @@
+"""Llama-family forward (llama, mistral, qwen2) over the paged KV cache.
+
+Takes the weights of a loaded transformers model once (fusing q/k/v and gate/up into
+single matrices), then runs flat token batches: every scheduled token of every
+sequence in one [T, hidden] tensor, no padding, logits only where a token is sampled.
+It owns the K/V tensors; it must not decide which blocks a sequence gets (that is
+kv_cache.py) nor which tokens run (scheduler.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from daemon.engine.scheduler import ScheduledChunk
+from kernels.attention import paged_decode_attention, paged_prefill_attention, write_kv
+from kernels.linear import Linear
+from kernels.norm_rope import RotaryTable, apply_rope, rms_norm
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: Linear  # hidden -> (H + 2*KVH) * D, with bias for qwen2
+    o: Linear  # H * D -> hidden
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: Linear  # hidden -> 2 * inter
+    down: Linear  # inter -> hidden
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+
+
+@dataclass
+class StepInputs:
+    """One step's tensors, decode tokens first, then each prefill chunk in order."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64 flat cache slot of each token
+    num_decode: int
+    decode_block_tables: torch.Tensor | None  # [num_decode, NB] int64
+    decode_context_lens: torch.Tensor | None  # [num_decode] int64
+    prefills: list[tuple[int, int, torch.Tensor, int]]  # (token offset, T_i, block table, start)
+    logits_indices: torch.Tensor  # [N] rows of the flat batch that get logits
+    sampled_chunks: list[ScheduledChunk]  # the N chunks whose logits those are, in order
+
+
+def model_shape(hf_config) -> ModelShape:
+    heads = hf_config.num_attention_heads
+    return ModelShape(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        num_heads=heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        intermediate_size=hf_config.intermediate_size,
+        vocab_size=hf_config.vocab_size,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        max_position_embeddings=hf_config.max_position_embeddings,
+    )
+
+
+class LlamaModel:
+    """The forward pass and its KV tensors; weights taken from a transformers model."""
+
+    def __init__(self, hf_model, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+        cfg = hf_model.config
+        if cfg.model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {cfg.model_type!r}")
+        self.shape = s = model_shape(cfg)
+        self.dtype = dtype
+        self.block_size = block_size
+        self.scale = s.head_dim**-0.5
+        inner = hf_model.model
+        with torch.no_grad():
+            self.embed = inner.embed_tokens.weight.detach().to(dtype).contiguous()
+            lm_head = hf_model.get_output_embeddings().weight.detach()
+            same = lm_head.data_ptr() == inner.embed_tokens.weight.data_ptr()
+            self.tied_embeddings = same
+            self.lm_head = Linear(self.embed if same else lm_head.to(dtype))
+            self.final_norm = inner.norm.weight.detach().to(dtype)
+            self.layers = [self._take_layer(layer, dtype) for layer in inner.layers]
+        rot = inner.rotary_emb
+        self.rope = RotaryTable(
+            rot.inv_freq, s.max_position_embeddings, float(rot.attention_scaling), dtype
+        )
+        cache_shape = (num_blocks, block_size, s.num_kv_heads, s.head_dim)
+        self.k_cache = [torch.zeros(cache_shape, dtype=dtype) for _ in range(s.num_layers)]
+        self.v_cache = [torch.zeros(cache_shape, dtype=dtype) for _ in range(s.num_layers)]
+
+    @staticmethod
+    def _take_layer(layer, dtype: torch.dtype) -> LayerWeights:
+        att, mlp = layer.self_attn, layer.mlp
+        qkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight], dim=0)
+        bias = None
+        if att.q_proj.bias is not None:
+            bias = torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]).to(dtype)
+        return LayerWeights(
+            input_norm=layer.input_layernorm.weight.detach().to(dtype),
+            qkv=Linear(qkv.detach().to(dtype), bias),
+            o=Linear(att.o_proj.weight.detach().to(dtype)),
+            post_norm=layer.post_attention_layernorm.weight.detach().to(dtype),
+            gate_up=Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0).to(dtype)),
+            down=Linear(mlp.down_proj.weight.detach().to(dtype)),
+        )
+
+    def weight_bytes(self) -> int:
+        total = self.embed.numel() * self.embed.element_size() + self.final_norm.numel() * 4
+        if not self.tied_embeddings:
+            total += self.lm_head.nbytes
+        for lw in self.layers:
+            total += sum(lin.nbytes for lin in (lw.qkv, lw.o, lw.gate_up, lw.down))
+        return total
+
+    def prepare(self, chunks: list[ScheduledChunk], tables: dict[str, list[int]]) -> StepInputs:
+        """Lay out a plan's chunks as flat tensors; block ids come from the KV manager."""
+        bs = self.block_size
+        decode = [c for c in chunks if c.num_tokens == 1]
+        prefill = [c for c in chunks if c.num_tokens > 1]
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        sampled: list[ScheduledChunk] = []
+        for c in decode:
+            table = tables[c.seq.seq_id]
+            p = c.start
+            ids.extend(c.seq.token_ids(p, p + 1))
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            if c.samples:
+                logit_rows.append(len(ids) - 1)
+                sampled.append(c)
+        dec_tables = dec_lens = None
+        if decode:
+            width = max(len(tables[c.seq.seq_id]) for c in decode)
+            dec_tables = torch.tensor(
+                [_pad(tables[c.seq.seq_id], width) for c in decode], dtype=torch.long
+            )
+            dec_lens = torch.tensor([c.start + 1 for c in decode], dtype=torch.long)
+        pre: list[tuple[int, int, torch.Tensor, int]] = []
+        for c in prefill:
+            table = tables[c.seq.seq_id]
+            offset = len(ids)
+            ids.extend(c.seq.token_ids(c.start, c.start + c.num_tokens))
+            positions = range(c.start, c.start + c.num_tokens)
+            pos.extend(positions)
+            slots.extend(table[p // bs] * bs + p % bs for p in positions)
+            needed = -(-(c.start + c.num_tokens) // bs)
+            pre.append((offset, c.num_tokens, torch.tensor(table[:needed]), c.start))
+            if c.samples:
+                logit_rows.append(len(ids) - 1)
+                sampled.append(c)
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            positions=torch.tensor(pos, dtype=torch.long),
+            slots=torch.tensor(slots, dtype=torch.long),
+            num_decode=len(decode),
+            decode_block_tables=dec_tables,
+            decode_context_lens=dec_lens,
+            prefills=pre,
+            logits_indices=torch.tensor(logit_rows, dtype=torch.long),
+            sampled_chunks=sampled,
+        )
+
+    @torch.inference_mode()
+    def forward(self, inp: StepInputs) -> torch.Tensor:
+        """Returns float32 logits [N, vocab] for inp.logits_indices."""
+        s = self.shape
+        h_dim = s.num_heads * s.head_dim
+        kv_dim = s.num_kv_heads * s.head_dim
+        t = inp.input_ids.shape[0]
+        cos, sin = self.rope.lookup(inp.positions)
+        hidden = F.embedding(inp.input_ids, self.embed)  # [T, hidden]
+        for i, lw in enumerate(self.layers):
+            x = rms_norm(hidden, lw.input_norm, s.rms_norm_eps)
+            qkv = lw.qkv(x)  # [T, (H + 2 KVH) D]
+            q = qkv[:, :h_dim].view(t, s.num_heads, s.head_dim)
+            k = qkv[:, h_dim : h_dim + kv_dim].view(t, s.num_kv_heads, s.head_dim)
+            v = qkv[:, h_dim + kv_dim :].view(t, s.num_kv_heads, s.head_dim)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            write_kv(self.k_cache[i], self.v_cache[i], inp.slots, k, v)
+            attn = self._attention(i, q, inp)  # [T, H, D]
+            hidden = hidden + lw.o(attn.reshape(t, h_dim))
+            x = rms_norm(hidden, lw.post_norm, s.rms_norm_eps)
+            gate_up = lw.gate_up(x)  # [T, 2 * inter]
+            act = F.silu(gate_up[:, : s.intermediate_size]) * gate_up[:, s.intermediate_size :]
+            hidden = hidden + lw.down(act)
+        last = rms_norm(hidden.index_select(0, inp.logits_indices), self.final_norm, s.rms_norm_eps)
+        return self.lm_head(last).float()
+
+    def _attention(self, layer: int, q: torch.Tensor, inp: StepInputs) -> torch.Tensor:
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        parts: list[torch.Tensor] = []
+        if inp.num_decode:
+            parts.append(
+                paged_decode_attention(
+                    q[: inp.num_decode],
+                    kc,
+                    vc,
+                    inp.decode_block_tables,
+                    inp.decode_context_lens,
+                    self.scale,
+                )
+            )
+        for offset, n, table, start in inp.prefills:
+            parts.append(
+                paged_prefill_attention(q[offset : offset + n], kc, vc, table, start, self.scale)
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def _pad(table: list[int], width: int) -> list[int]:
+    # Padding points at block 0; the context-length mask hides it.
+    return table + [0] * (width - len(table))

@@ -1,0 +1,66 @@
+"""RMSNorm and rotary position embedding for the Llama-family forward.
+
+Each fast path has a plain-torch reference (`*_reference`) that tests compare against.
+These functions are pure tensor math: no model state, no KV cache, no scheduling.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, hidden] -> [T, hidden]; fused norm from torch."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * out.to(x.dtype)
+
+
+class RotaryTable:
+    """cos/sin for every position up to max_positions, built once from inv_freq.
+
+    inv_freq: [head_dim // 2]; attention_scaling multiplies cos and sin (used by
+    scaled rope variants such as yarn; 1.0 for plain rope).
+    """
+
+    def __init__(
+        self,
+        inv_freq: torch.Tensor,
+        max_positions: int,
+        attention_scaling: float = 1.0,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq.float())  # [P, D/2]
+        self.cos = (freqs.cos() * attention_scaling).to(dtype)  # [P, D/2]
+        self.sin = (freqs.sin() * attention_scaling).to(dtype)
+        self.max_positions = max_positions
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] int64 -> (cos, sin), each [T, 1, D/2] ready to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D] with the rotate-half convention; cos/sin: [T, 1, D/2]."""
+    half = x.shape[-1] // 2
+    x1 = x[..., :half]
+    x2 = x[..., half:]
+    out = torch.empty_like(x)
+    # out1 = x1*cos - x2*sin ; out2 = x2*cos + x1*sin, written in place to skip a cat.
+    torch.addcmul(x1 * cos, x2, sin, value=-1.0, out=out[..., :half])
+    torch.addcmul(x2 * cos, x1, sin, out=out[..., half:])
+    return out
+
+
+def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    full_cos = torch.cat([cos, cos], dim=-1)
+    full_sin = torch.cat([sin, sin], dim=-1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * full_cos + rotated * full_sin
