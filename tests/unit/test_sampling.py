@@ -1,0 +1,110 @@
+"""Sampler, incremental detokenizer and request validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from daemon.engine.detokenizer import IncrementalDetokenizer
+from daemon.engine.request import InvalidRequestError, SamplingParams
+from daemon.engine.sampler import make_generator, sample
+from tests.tiny_model import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def _logits(rows=3, vocab=50, seed=0):
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_and_top_k_1_take_the_argmax():
+    logits = _logits()
+    params = [SamplingParams(temperature=0.0), SamplingParams(top_k=1), SamplingParams(top_k=1)]
+    out = sample(logits, params, [make_generator(i) for i in range(3)])
+    assert out == logits.argmax(-1).tolist()
+
+
+def test_same_seed_same_tokens_other_seed_differs():
+    logits = _logits(rows=1, vocab=1000)
+    p = SamplingParams(temperature=1.5, seed=7)
+
+    def draw(seed):
+        g = make_generator(seed)
+        return [sample(logits, [p], [g])[0] for _ in range(30)]
+
+    assert draw(7) == draw(7)
+    assert draw(7) != draw(8)
+
+
+def test_top_p_and_top_k_restrict_the_support():
+    logits = torch.tensor([[5.0, 4.0, 0.0, -1.0, -2.0]])
+    g = make_generator(0)
+    top_p = {sample(logits, [SamplingParams(top_p=0.5)], [g])[0] for _ in range(200)}
+    assert top_p == {0}  # token 0 alone holds > 50% of the mass
+    top_k = {sample(logits, [SamplingParams(top_k=2, temperature=5.0)], [g])[0] for _ in range(300)}
+    assert top_k == {0, 1}
+
+
+def test_non_finite_row_fails_alone():
+    logits = _logits()
+    logits[1, 3] = float("nan")
+    out = sample(logits, [SamplingParams(temperature=0.0)] * 3, [make_generator(0)] * 3)
+    assert out[1] is None
+    assert out[0] == int(logits[0].argmax()) and out[2] == int(logits[2].argmax())
+
+
+def test_detokenizer_streams_multibyte_text_exactly(tok):
+    text = "café 日本語 €uro naïve ünïcödé"
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], ())
+    pieces = []
+    for t in ids:
+        detok.add(t)
+        pieces.append(detok.take())
+    pieces.append(detok.take(final=True))
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_string_matched_across_tokens_and_not_emitted(tok):
+    ids = tok.encode("abc def ghi jkl", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], ("f gh",))
+    emitted = []
+    stopped_at = None
+    for i, t in enumerate(ids):
+        if detok.add(t):
+            stopped_at = i
+            break
+        emitted.append(detok.take())
+    emitted.append(detok.take(final=True))
+    assert stopped_at is not None
+    assert "".join(emitted) == "abc de"
+
+
+@pytest.mark.parametrize(
+    "values,param",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"seed": -1}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"frequency_penaltyy": 1}, "frequency_penaltyy"),
+    ],
+)
+def test_bad_parameters_are_named(values, param):
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams.from_dict(values)
+    assert err.value.param == param
+
+
+def test_good_parameters_round_trip():
+    p = SamplingParams.from_dict({"max_tokens": 5, "stop": "x", "temperature": 0})
+    assert p.stop == ("x",) and p.greedy and p.max_tokens == 5
