@@ -40,26 +40,45 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return g.view(b, nb * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 
+def decode_attention_mask(context_lens: torch.Tensor, num_blocks: int, block_size: int):
+    """[B] context lengths -> [B, 1, 1, num_blocks * block_size] bool, True where attended.
+
+    Built once per step and shared by every layer.
+    """
+    length = num_blocks * block_size
+    mask = torch.arange(length).unsqueeze(0) < context_lens.unsqueeze(1)  # [B, L]
+    return mask[:, None, None, :]
+
+
+def prefill_attention_mask(start_pos: int, num_tokens: int) -> torch.Tensor | None:
+    """Causal mask of a chunk after start_pos cached tokens: [T, start_pos + T] bool.
+
+    None for a chunk that starts the sequence (plain causal attention then).
+    """
+    if start_pos == 0:
+        return None
+    ctx = start_pos + num_tokens
+    q_pos = torch.arange(start_pos, ctx).unsqueeze(1)  # [T, 1]
+    return torch.arange(ctx).unsqueeze(0) <= q_pos
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
+    mask: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """One new token per sequence.
 
     q: [B, H, D]; block_tables: [B, NB] int64 (rows padded with any valid block id);
-    context_lens: [B] int64, tokens in each sequence including the new one.
-    Returns [B, H, D].
+    mask: from decode_attention_mask. Returns [B, H, D].
     """
     k = _gather(k_cache, block_tables)  # [B, KVH, L, D]
     v = _gather(v_cache, block_tables)
-    length = k.shape[2]
-    mask = torch.arange(length).unsqueeze(0) < context_lens.unsqueeze(1)  # [B, L]
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+        q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
     )  # [B, H, 1, D]
     return out.squeeze(2)
 
@@ -69,25 +88,23 @@ def paged_prefill_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_table: torch.Tensor,
-    start_pos: int,
+    mask: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
-    """A chunk of T consecutive tokens of one sequence, at positions start_pos..start_pos+T-1.
+    """A chunk of T consecutive tokens of one sequence, after `mask`'s start_pos cached ones.
 
     The chunk's own keys/values are already written to the cache. q: [T, H, D];
-    block_table: [NB] int64 covering at least start_pos + T tokens. Returns [T, H, D].
+    block_table: [NB] int64 covering the chunk; mask: from prefill_attention_mask
+    (None when the chunk starts the sequence). Returns [T, H, D].
     """
     t = q.shape[0]
-    ctx = start_pos + t
+    ctx = t if mask is None else mask.shape[1]
     k = _gather(k_cache, block_table.unsqueeze(0))[:, :, :ctx]  # [1, KVH, ctx, D]
     v = _gather(v_cache, block_table.unsqueeze(0))[:, :, :ctx]
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
-    if start_pos == 0:
-        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        q_pos = torch.arange(start_pos, ctx).unsqueeze(1)  # [T, 1]
-        mask = torch.arange(ctx).unsqueeze(0) <= q_pos  # [T, ctx]
-        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        qh, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+    )
     return out.squeeze(0).transpose(0, 1)  # [T, H, D]
 
 

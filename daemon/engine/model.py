@@ -15,7 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from daemon.engine.scheduler import ScheduledChunk
-from kernels.attention import paged_decode_attention, paged_prefill_attention, write_kv
+from kernels.attention import (
+    decode_attention_mask,
+    paged_decode_attention,
+    paged_prefill_attention,
+    prefill_attention_mask,
+    write_kv,
+)
 from kernels.linear import Linear
 from kernels.norm_rope import RotaryTable, apply_rope, rms_norm
 
@@ -54,8 +60,9 @@ class StepInputs:
     slots: torch.Tensor  # [T] int64 flat cache slot of each token
     num_decode: int
     decode_block_tables: torch.Tensor | None  # [num_decode, NB] int64
-    decode_context_lens: torch.Tensor | None  # [num_decode] int64
-    prefills: list[tuple[int, int, torch.Tensor, int]]  # (token offset, T_i, block table, start)
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, NB * block_size] bool
+    # (token offset, T_i, block table [NB_i], causal mask [T_i, ctx] or None)
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
     logits_indices: torch.Tensor  # [N] rows of the flat batch that get logits
     sampled_chunks: list[ScheduledChunk]  # the N chunks whose logits those are, in order
 
@@ -146,14 +153,15 @@ class LlamaModel:
             if c.samples:
                 logit_rows.append(len(ids) - 1)
                 sampled.append(c)
-        dec_tables = dec_lens = None
+        dec_tables = dec_mask = None
         if decode:
             width = max(len(tables[c.seq.seq_id]) for c in decode)
             dec_tables = torch.tensor(
                 [_pad(tables[c.seq.seq_id], width) for c in decode], dtype=torch.long
             )
-            dec_lens = torch.tensor([c.start + 1 for c in decode], dtype=torch.long)
-        pre: list[tuple[int, int, torch.Tensor, int]] = []
+            lens = torch.tensor([c.start + 1 for c in decode], dtype=torch.long)
+            dec_mask = decode_attention_mask(lens, width, bs)
+        pre: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
         for c in prefill:
             table = tables[c.seq.seq_id]
             offset = len(ids)
@@ -162,7 +170,8 @@ class LlamaModel:
             pos.extend(positions)
             slots.extend(table[p // bs] * bs + p % bs for p in positions)
             needed = -(-(c.start + c.num_tokens) // bs)
-            pre.append((offset, c.num_tokens, torch.tensor(table[:needed]), c.start))
+            mask = prefill_attention_mask(c.start, c.num_tokens)
+            pre.append((offset, c.num_tokens, torch.tensor(table[:needed]), mask))
             if c.samples:
                 logit_rows.append(len(ids) - 1)
                 sampled.append(c)
@@ -172,7 +181,7 @@ class LlamaModel:
             slots=torch.tensor(slots, dtype=torch.long),
             num_decode=len(decode),
             decode_block_tables=dec_tables,
-            decode_context_lens=dec_lens,
+            decode_mask=dec_mask,
             prefills=pre,
             logits_indices=torch.tensor(logit_rows, dtype=torch.long),
             sampled_chunks=sampled,
@@ -184,17 +193,17 @@ class LlamaModel:
         s = self.shape
         h_dim = s.num_heads * s.head_dim
         kv_dim = s.num_kv_heads * s.head_dim
+        heads_qk = s.num_heads + s.num_kv_heads
         t = inp.input_ids.shape[0]
         cos, sin = self.rope.lookup(inp.positions)
         hidden = F.embedding(inp.input_ids, self.embed)  # [T, hidden]
         for i, lw in enumerate(self.layers):
             x = rms_norm(hidden, lw.input_norm, s.rms_norm_eps)
             qkv = lw.qkv(x)  # [T, (H + 2 KVH) D]
-            q = qkv[:, :h_dim].view(t, s.num_heads, s.head_dim)
-            k = qkv[:, h_dim : h_dim + kv_dim].view(t, s.num_kv_heads, s.head_dim)
+            # q and k sit side by side in qkv: rotate them in one call.
+            qk = apply_rope(qkv[:, : h_dim + kv_dim].view(t, heads_qk, s.head_dim), cos, sin)
+            q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
             v = qkv[:, h_dim + kv_dim :].view(t, s.num_kv_heads, s.head_dim)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
             write_kv(self.k_cache[i], self.v_cache[i], inp.slots, k, v)
             attn = self._attention(i, q, inp)  # [T, H, D]
             hidden = hidden + lw.o(attn.reshape(t, h_dim))
@@ -215,13 +224,13 @@ class LlamaModel:
                     kc,
                     vc,
                     inp.decode_block_tables,
-                    inp.decode_context_lens,
+                    inp.decode_mask,
                     self.scale,
                 )
             )
-        for offset, n, table, start in inp.prefills:
+        for offset, n, table, mask in inp.prefills:
             parts.append(
-                paged_prefill_attention(q[offset : offset + n], kc, vc, table, start, self.scale)
+                paged_prefill_attention(q[offset : offset + n], kc, vc, table, mask, self.scale)
             )
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 

@@ -10,8 +10,10 @@ import torch.nn.functional as F
 
 from kernels.attention import (
     attention_reference,
+    decode_attention_mask,
     paged_decode_attention,
     paged_prefill_attention,
+    prefill_attention_mask,
     write_kv,
 )
 from kernels.linear import Linear
@@ -76,7 +78,8 @@ def test_paged_decode_attention_matches_reference():
     q = torch.randn(4, 4, 16, generator=torch.Generator().manual_seed(3))  # [B, H, D]
     width = max(map(len, tables))
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    out = paged_decode_attention(q, k_cache, v_cache, bt, torch.tensor(lens), 0.25)
+    mask = decode_attention_mask(torch.tensor(lens), width, k_cache.shape[1])
+    out = paged_decode_attention(q, k_cache, v_cache, bt, mask, 0.25)
     for b in range(4):
         ref = attention_reference(q[b : b + 1], k_cache, v_cache, tables[b], [lens[b] - 1], 0.25)
         torch.testing.assert_close(out[b : b + 1], ref, **FP32_TOL)
@@ -88,7 +91,9 @@ def test_paged_prefill_attention_matches_reference(start):
     table = [9, 3, 17, 2, 11]
     n = 6
     q = torch.randn(n, 4, 16, generator=torch.Generator().manual_seed(5))
-    out = paged_prefill_attention(q, k_cache, v_cache, torch.tensor(table), start, 0.25)
+    mask = prefill_attention_mask(start, n)
+    assert (mask is None) == (start == 0)
+    out = paged_prefill_attention(q, k_cache, v_cache, torch.tensor(table), mask, 0.25)
     ref = attention_reference(q, k_cache, v_cache, table, list(range(start, start + n)), 0.25)
     torch.testing.assert_close(out, ref, **FP32_TOL)
 
