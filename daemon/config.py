@@ -77,6 +77,10 @@ class DeviceConfig(_Section):
     gpu: str = Field("0", description="GPU index, UUID or PCI bus id.")
     sample_hz: float = Field(10.0, gt=0, le=1000)
     state_dir: Path | None = None
+    virtual_seed: int = Field(0, ge=0, description="Noise seed of the virtual GPU.")
+    virtual_ambient_c: float = Field(
+        25.0, ge=-20, le=90, description="Inlet temperature of the virtual GPU at start."
+    )
 
 
 class ControllerConfig(_Section):
