@@ -12,6 +12,7 @@ import logging
 import sys
 from collections.abc import Callable
 
+from bench import device_trace
 from daemon.config import Config, ConfigError, default_cache_dir, load_config, render_toml
 
 # flag -> (section, key); the common keys a user sets from the shell.
@@ -78,11 +79,36 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from bench import engine as bench_engine
+def _cmd_device(args: argparse.Namespace) -> int:
+    from daemon.device.commands import device_info, device_reset
 
+    if args.device_command == "trace":
+        from bench import device_trace
+
+        return device_trace.run(args)
+    cfg = _config_from_args(args)
+    return device_info(cfg, args) if args.device_command == "info" else device_reset(cfg, args)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from daemon import server
+
+    return server.main(_config_from_args(args))
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
     if args.which == "engine":
+        from bench import engine as bench_engine
+
         return bench_engine.main(args.rest)
+    if args.which == "quant":
+        from bench import quant as bench_quant
+
+        return bench_quant.main(args.rest)
+    if args.which == "serve":
+        from bench import serve as bench_serve
+
+        return bench_serve.main(args.rest)
     print(f"wattserve: error: unknown benchmark {args.which!r}", file=sys.stderr)
     return 2
 
@@ -100,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(show)
     show.set_defaults(func=_cmd_config_show)
 
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API until SIGTERM")
+    _add_config_flags(p)
+    p.set_defaults(func=_cmd_serve)
+
     p = sub.add_parser("generate", help="generate one completion offline (no server)")
     _add_config_flags(p)
     p.add_argument("prompt")
@@ -108,8 +138,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="no chat template around the prompt")
     p.set_defaults(func=_cmd_generate)
 
+    p = sub.add_parser("device", help="the GPU (or virtual GPU) the daemon would use")
+    dsub = p.add_subparsers(dest="device_command", required=True)
+    info = dsub.add_parser("info", help="identity, capabilities, one telemetry snapshot")
+    _add_config_flags(info)
+    info.add_argument("--json", action="store_true", help="one JSON object")
+    info.set_defaults(func=_cmd_device)
+    reset = dsub.add_parser("reset", help="restore the settings a run recorded (ExecStopPost)")
+    _add_config_flags(reset)
+    reset.set_defaults(func=_cmd_device)
+    trace = dsub.add_parser("trace", help="sweep the virtual GPU's clock under real load")
+    device_trace.add_arguments(trace)
+    trace.set_defaults(func=_cmd_device)
+
     p = sub.add_parser("bench", help="benchmarks (each prints one JSON line last)")
-    p.add_argument("which", choices=["engine"])
+    p.add_argument("which", choices=["engine", "serve", "quant"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)
     return parser
