@@ -26,7 +26,30 @@ test: install test-services
 
 # Services the test suite needs, installed and started here so a fresh machine passes.
 test-services:
-	@true
+# mosquitto (+ mosquitto_passwd) and openssl for tests/integration/test_mqtt_link.py, which
+# starts private brokers on random loopback ports: the packaged service is never used, so
+# it is stopped and disabled right after a fresh install. Without them those tests fail.
+	@if ! { command -v mosquitto || test -x /usr/sbin/mosquitto; } >/dev/null \
+	    || ! command -v mosquitto_passwd >/dev/null || ! command -v openssl >/dev/null; then \
+	  echo "test-services: installing mosquitto mosquitto-clients openssl"; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends mosquitto mosquitto-clients openssl \
+	    >/dev/null; } || { echo "test-services: cannot install mosquitto (root needed)"; exit 1; }; \
+	  if [ -d /run/systemd/system ]; then systemctl disable --now mosquitto >/dev/null 2>&1; \
+	  elif [ -x /etc/init.d/mosquitto ]; then /etc/init.d/mosquitto stop >/dev/null 2>&1; fi; \
+	  true; \
+	fi
+# systemd-analyze (package systemd) and shellcheck, for tests/integration/test_systemd_files.py;
+# where they cannot be installed, those tests skip and say why.
+	@pkgs=""; \
+	command -v systemd-analyze >/dev/null || pkgs="$$pkgs systemd"; \
+	command -v shellcheck >/dev/null || pkgs="$$pkgs shellcheck"; \
+	if [ -n "$$pkgs" ]; then \
+	  echo "test-services: installing$$pkgs"; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends $$pkgs >/dev/null; } \
+	  || echo "test-services: could not install$$pkgs; their tests will skip"; \
+	fi
 
 lint: install
 	$(BIN)/ruff check .

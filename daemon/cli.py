@@ -109,8 +109,39 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from bench import serve as bench_serve
 
         return bench_serve.main(args.rest)
+    if args.which == "control":
+        from bench import control as bench_control
+
+        return bench_control.main(args.rest)
     print(f"wattserve: error: unknown benchmark {args.which!r}", file=sys.stderr)
     return 2
+
+
+def _cmd_install_service(args: argparse.Namespace) -> int:
+    """Print the systemd unit systemd/install.sh installs (from a checkout or the venv)."""
+    from pathlib import Path
+
+    if not args.print:
+        print(
+            "wattserve install-service: run systemd/install.sh as root to install the "
+            "service; --print shows the unit",
+            file=sys.stderr,
+        )
+        return 2
+    name = "wattserve-control.conf" if args.control else "wattserve.service"
+    places = [
+        Path(__file__).resolve().parent.parent / "systemd",  # a source checkout
+        Path(sys.prefix) / "share" / "wattserve" / "systemd",  # /opt/wattserve by install.sh
+    ]
+    for place in places:
+        if (place / name).is_file():
+            print((place / name).read_text(), end="")
+            return 0
+    print(
+        f"wattserve install-service: {name} not found in {' or '.join(map(str, places))}",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,8 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
     device_trace.add_arguments(trace)
     trace.set_defaults(func=_cmd_device)
 
+    p = sub.add_parser("install-service", help="the systemd unit (install: systemd/install.sh)")
+    p.add_argument("--print", action="store_true", help="print the unit install.sh installs")
+    p.add_argument("--control", action="store_true", help="print the control-mode drop-in instead")
+    p.set_defaults(func=_cmd_install_service)
+
     p = sub.add_parser("bench", help="benchmarks (each prints one JSON line last)")
-    p.add_argument("which", choices=["engine", "serve", "quant"])
+    p.add_argument("which", choices=["engine", "serve", "quant", "control"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)
     return parser

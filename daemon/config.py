@@ -51,6 +51,11 @@ class ServerConfig(_Section):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 
+# Weight quantization level names (kernels/quant.py LEVEL_NAMES; kept equal by a test,
+# spelled out here so that reading the config needs no torch).
+QuantLevelName = Literal["fp32", "bf16", "int8", "int4", "int4-g128", "fp8"]
+
+
 class EngineConfig(_Section):
     model: str = Field(
         "embedded",
@@ -69,6 +74,28 @@ class EngineConfig(_Section):
     max_model_len: int | None = Field(None, gt=0)
     threads: int | None = Field(None, gt=0)
     default_max_tokens: int = Field(256, gt=0)
+    quantization_levels: list[QuantLevelName] = Field(
+        default_factory=lambda: ["fp32", "bf16", "int8", "int4"],
+        min_length=1,
+        description="Weight quantization levels the controller and the API may switch to.",
+    )
+    quantization_level: QuantLevelName | None = Field(
+        None, description="Level at start; unset: the level of the loaded dtype."
+    )
+    quant_prepare: Literal["lazy", "start"] = Field(
+        "lazy", description="Build each level's weights on first use, or all at start."
+    )
+
+    @model_validator(mode="after")
+    def _check_quant_level(self) -> EngineConfig:
+        if self.quantization_level is not None and (
+            self.quantization_level not in self.quantization_levels
+        ):
+            raise ValueError(
+                f"quantization_level {self.quantization_level!r} is not one of "
+                f"quantization_levels {self.quantization_levels}"
+            )
+        return self
 
 
 class DeviceConfig(_Section):
@@ -89,15 +116,105 @@ class ControllerConfig(_Section):
     ttft_slo_ms: float = Field(2000.0, gt=0)
     tpot_slo_ms: float = Field(200.0, gt=0)
     slo_percentile: float = Field(99.0, gt=0, le=100)
+    objective: Literal["min_energy_per_token", "min_latency"] = "min_energy_per_token"
+    max_ppl_increase_pct: float | None = Field(
+        None,
+        ge=0,
+        description="Never select a quantization level whose measured perplexity "
+        "increase exceeds this; unset: any level in engine.quantization_levels.",
+    )
+    period_s: float = Field(0.25, gt=0, le=10, description="Control loop period (clock timescale).")
+    batch_period_s: float = Field(2.0, gt=0, description="Batch caps change at most this often.")
+    quant_dwell_s: float = Field(
+        30.0, gt=0, description="Least time between quantization switches."
+    )
+    quant_gain_min_pct: float = Field(
+        10.0, ge=0, description="Predicted J/token gain a quantization switch must bring."
+    )
+    slo_margin: float = Field(0.85, gt=0, le=1, description="Predictions must meet SLO x this.")
+    power_margin: float = Field(
+        0.95, gt=0, le=1, description="Predictions must meet budget x this."
+    )
+    stale_hold_s: float = Field(
+        2.0, gt=0, description="Stale telemetry: hold this long, then the fallback knobs."
+    )
+    fallback_sm_clock_mhz: int | None = Field(
+        None, gt=0, description="Fallback SM clock; unset: the middle of the device's ladder."
+    )
+    fallback_max_num_seqs: int | None = Field(
+        None, gt=0, description="Fallback batch cap; unset: half of engine.max_num_seqs."
+    )
+    thermal_derate_start_c: float = Field(
+        6.0,
+        gt=0,
+        le=50,
+        description="Thermal margin (degC to the slowdown threshold) below which the budget "
+        "is derated, down to 0.6 x at no margin.",
+    )
 
 
 class MqttConfig(_Section):
-    enabled: bool = False
+    """The MQTT telemetry feed and remote policy (docs/mqtt.md).
+
+    Topics live under `<topic_prefix>/<node_id>/`; node_id defaults to the hostname
+    (resolved at run time, never written back here). The password is read from
+    password_file, never from the config itself. TLS is on only when tls_enabled is true;
+    tls_ca_file unset then means the system trust store.
+    """
+
+    enabled: bool = True
     host: str = "127.0.0.1"
     port: int = Field(1883, ge=1, le=65535)
-    topic_prefix: str | None = None
-    node_id: str | None = None
-    telemetry_interval_ms: int = Field(1000, gt=0)
+    topic_prefix: str = Field("wattserve", min_length=1, max_length=128)
+    node_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
+        description="One topic level naming this node; unset: the hostname.",
+    )
+    client_id: str | None = Field(
+        None, min_length=1, max_length=128, description="Unset: wattserve-<node_id>."
+    )
+    username: str | None = Field(None, min_length=1)
+    password_file: Path | None = None
+    tls_enabled: bool = False
+    tls_ca_file: Path | None = None
+    tls_cert_file: Path | None = Field(None, description="Client certificate (PEM).")
+    tls_key_file: Path | None = Field(None, description="Client key (PEM); unset: in the cert.")
+    keepalive_s: int = Field(30, ge=5, le=3600)
+    telemetry_interval_ms: int = Field(1000, ge=50)
+    telemetry_queue_max: int = Field(16, ge=1, description="Oldest telemetry dropped beyond.")
+    event_queue_max: int = Field(1000, ge=1, description="Oldest event dropped beyond.")
+    reconnect_initial_ms: int = Field(500, ge=10)
+    reconnect_max_ms: int = Field(30_000, ge=10)
+    shutdown_timeout_ms: int = Field(
+        2000, ge=0, description="At stop: time to flush queued events and publish offline."
+    )
+    home_assistant_discovery: bool = False
+    home_assistant_prefix: str = Field("homeassistant", min_length=1, max_length=128)
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> MqttConfig:
+        for key in ("topic_prefix", "home_assistant_prefix"):
+            value: str = getattr(self, key)
+            levels = value.split("/")
+            if any(c in value for c in "+#\0") or "" in levels or value.startswith("$"):
+                raise ValueError(
+                    f"{key} {value!r} must be topic levels joined by '/', with no wildcard, "
+                    "no empty level and no leading '$'"
+                )
+        if self.password_file is not None and self.username is None:
+            raise ValueError("password_file is set but username is not")
+        if not self.tls_enabled:
+            for key in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"{key} is set but tls_enabled is false")
+        if self.tls_key_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_key_file is set but tls_cert_file is not")
+        if self.event_queue_max < self.telemetry_queue_max:
+            raise ValueError("event_queue_max must be >= telemetry_queue_max")
+        if self.reconnect_max_ms < self.reconnect_initial_ms:
+            raise ValueError("reconnect_max_ms must be >= reconnect_initial_ms")
+        return self
 
 
 class Config(BaseSettings):

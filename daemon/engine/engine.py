@@ -3,9 +3,10 @@
 Requests come in from any thread through add_request/abort (validated there, queued
 for the loop); the loop thread alone owns the scheduler, the KV cache and the model.
 Each request's events go out through the sink callable it brought (the API wraps an
-asyncio queue in one). Batch limits change through set_limits(), read once at the top
-of each step; per-step statistics go to registered step hooks. Nothing here awaits,
-and nothing here speaks HTTP.
+asyncio queue in one). Batch limits change through set_limits() and the weight
+quantization level through set_quant_level(), each read once at the top of each step;
+per-step statistics go to registered step hooks. Nothing here awaits, and nothing here
+speaks HTTP.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from daemon.engine.model import LlamaModel, model_shape
 from daemon.engine.request import InvalidRequestError, RequestOutput, SamplingParams
 from daemon.engine.sampler import make_generator, sample
 from daemon.engine.scheduler import EngineLimits, SchedulePlan, Scheduler, Sequence
+from kernels.quant import QuantLevelError, level_unavailable_reason, parse_level
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,9 @@ class EngineOptions:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     threads: int | None = None
+    quantization_levels: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
+    quantization_level: str | None = None  # None: the loaded dtype's level
+    quant_prepare: str = "lazy"  # "lazy": build a level on first use; "start": all at start
 
     @classmethod
     def from_config(cls, engine_cfg) -> EngineOptions:
@@ -55,6 +60,9 @@ class EngineOptions:
             max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
             max_model_len=engine_cfg.max_model_len,
             threads=engine_cfg.threads,
+            quantization_levels=tuple(engine_cfg.quantization_levels),
+            quantization_level=engine_cfg.quantization_level,
+            quant_prepare=engine_cfg.quant_prepare,
         )
 
 
@@ -75,6 +83,7 @@ class StepStats:
     num_finished: int
     weight_bytes: int  # weights read by the step's matmuls
     kv_bytes_read: int  # KV cache bytes read by attention
+    quant_level: str = "fp32"  # the weight quantization level the step ran at
 
 
 @dataclass
@@ -138,6 +147,17 @@ class Engine:
         self.scheduler = Scheduler(self.kv)
         self._limits = EngineLimits(options.max_num_seqs, options.max_num_batched_tokens)
         self.eos_token_ids = _eos_ids(loaded)
+        self._quant_allowed, self._quant_unavailable = _usable_levels(
+            options.quantization_levels, loaded.dtype
+        )
+        self._quant_prepare = options.quant_prepare
+        start_level = options.quantization_level or self.model.full_precision_level
+        self._check_quant_level(start_level)
+        if options.quant_prepare == "start":
+            for level in self._quant_allowed:
+                self.model.prepare_level(level)
+        self.model.use_level(start_level)
+        self._quant_target = start_level  # written by set_quant_level, read by the loop
         self._weight_bytes = self.model.weight_bytes()
         self._kv_bytes_per_token = bpb // options.block_size_tokens
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -155,6 +175,18 @@ class Engine:
             self.kv_spec.capacity_tokens,
             self.kv_spec.total_bytes / 2**20,
             self.max_model_len,
+        )
+        log.info(
+            "quantization: level %s; allowed %s; weight MiB per level (prepare=%s): %s%s",
+            start_level,
+            ", ".join(self._quant_allowed),
+            options.quant_prepare,
+            ", ".join(
+                f"{lvl} {self.model.level_bytes(lvl) / 2**20:.1f}"
+                + ("" if self.model.is_prepared(lvl) else " (not built yet)")
+                for lvl in self._quant_allowed
+            ),
+            "".join(f"; {why}" for why in self._quant_unavailable.values()),
         )
 
     # ---- knobs -----------------------------------------------------------------
@@ -174,6 +206,60 @@ class Engine:
         )
         self._limits = new  # one reference swap: atomic for the loop thread
         return new
+
+    @property
+    def quant_level(self) -> str:
+        """The level the model runs at now (a requested switch lands at the next step)."""
+        return self.model.level
+
+    def set_quant_level(self, level: str) -> str:
+        """The controller's quantization actuator; takes effect at the next step.
+
+        The KV cache and running sequences stay as they are. A level not built yet is
+        built first, on the caller's thread (seconds on a real model: call it from a
+        worker thread, not an event loop). Raises QuantLevelError for an unknown level
+        or one outside `quantization_levels` / unavailable on this device.
+        """
+        self._check_quant_level(level)
+        self.model.prepare_level(level)
+        self._quant_target = level  # one reference swap: atomic for the loop thread
+        return level
+
+    def quant_status(self) -> dict:
+        """Quantization state for /v1/status: active and requested level, allowed
+        levels with their weight bytes (measured once built, computed before)."""
+        return {
+            "level": self.model.level,
+            "requested": self._quant_target,
+            "full_precision": self.model.full_precision_level,
+            "prepare": self._quant_prepare,
+            "levels": {
+                lvl: {
+                    "weight_bytes": self.model.level_bytes(lvl),
+                    "prepared": self.model.is_prepared(lvl),
+                }
+                for lvl in self._quant_allowed
+            },
+            "unavailable": dict(self._quant_unavailable),
+        }
+
+    def _check_quant_level(self, level: str) -> None:
+        parse_level(level)  # unknown names raise with the list of known ones
+        if level in self._quant_allowed:
+            return
+        why = self._quant_unavailable.get(level, "not listed in engine.quantization_levels")
+        raise QuantLevelError(
+            f"quantization level {level!r} is not allowed: {why} "
+            f"(allowed: {', '.join(self._quant_allowed)})"
+        )
+
+    def _apply_quant_level(self) -> None:
+        target = self._quant_target
+        if target != self.model.level:
+            previous = self.model.level
+            self.model.use_level(target)
+            self._weight_bytes = self.model.weight_bytes()
+            log.info("quantization level %s -> %s", previous, target)
 
     def add_step_hook(self, hook: Callable[[StepStats], None]) -> None:
         """hook(stats) runs on the loop thread after every step; it may sleep (virtual GPU)."""
@@ -267,6 +353,7 @@ class Engine:
     def step(self, block_s: float = 0.0) -> StepStats | None:
         """Run one engine iteration; returns None when there was nothing to compute."""
         self._drain_inbox(0.0 if self._requests else block_s)
+        self._apply_quant_level()
         plan = self.scheduler.schedule(self._limits)
         if plan.is_empty:
             return None
@@ -319,6 +406,7 @@ class Engine:
             num_finished=finished,
             weight_bytes=self._weight_bytes,
             kv_bytes_read=ctx * self._kv_bytes_per_token,
+            quant_level=self.model.level,
         )
         self.last_step = stats
         return stats
@@ -423,6 +511,21 @@ def _merge(into: dict[str, RequestOutput], out: RequestOutput) -> None:
     acc.text += out.text
     acc.finished, acc.finish_reason, acc.error = out.finished, out.finish_reason, out.error
     acc.prompt_tokens, acc.completion_tokens = out.prompt_tokens, out.completion_tokens
+
+
+def _usable_levels(
+    configured: Iterable[str], loaded_dtype: torch.dtype
+) -> tuple[tuple[str, ...], dict[str, str]]:
+    """Split configured levels into those this engine can run and {level: why not}."""
+    usable: list[str] = []
+    unusable: dict[str, str] = {}
+    for level in configured:
+        why = level_unavailable_reason(level, loaded_dtype, "cpu")
+        if why is None:
+            usable.append(level)
+        else:
+            unusable[level] = why
+    return tuple(dict.fromkeys(usable)), unusable
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:

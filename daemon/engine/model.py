@@ -4,11 +4,15 @@ Takes the weights of a loaded transformers model once (fusing q/k/v and gate/up 
 single matrices), then runs flat token batches: every scheduled token of every
 sequence in one [T, hidden] tensor, no padding, logits only where a token is sampled.
 It owns the K/V tensors; it must not decide which blocks a sequence gets (that is
-kv_cache.py) nor which tokens run (scheduler.py).
+kv_cache.py) nor which tokens run (scheduler.py). The matmul weights come in levels
+(kernels/quant.py): the loaded one is built at start, others from the transformers
+model's weights on first use; forward() reads the active level once per call, so a
+switch between two steps leaves the KV cache and every running sequence as they are.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +28,14 @@ from kernels.attention import (
 )
 from kernels.linear import Linear
 from kernels.norm_rope import RotaryTable, apply_rope, rms_norm
+from kernels.quant import (
+    LinearLike,
+    full_precision_level,
+    head_level,
+    linear_nbytes,
+    make_linear,
+    parse_level,
+)
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -31,11 +43,21 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: Linear  # hidden -> (H + 2*KVH) * D, with bias for qwen2
-    o: Linear  # H * D -> hidden
+    qkv: LinearLike  # hidden -> (H + 2*KVH) * D, with bias for qwen2
+    o: LinearLike  # H * D -> hidden
     post_norm: torch.Tensor  # [hidden]
-    gate_up: Linear  # hidden -> 2 * inter
-    down: Linear  # inter -> hidden
+    gate_up: LinearLike  # hidden -> 2 * inter
+    down: LinearLike  # inter -> hidden
+
+
+@dataclass(frozen=True)
+class LevelWeights:
+    """One quantization level's matmul weights; norms are shared between levels."""
+
+    level: str
+    layers: list[LayerWeights]
+    lm_head: LinearLike
+    linear_bytes: int  # every linear incl. the LM head (a separate copy when tied)
 
 
 @dataclass(frozen=True)
@@ -94,14 +116,21 @@ class LlamaModel:
         self.block_size = block_size
         self.scale = s.head_dim**-0.5
         inner = hf_model.model
+        self._hf_model = hf_model  # the full-precision source of every other level
+        self.full_precision_level = full_precision_level(dtype)
+        self._levels: dict[str, LevelWeights] = {}
+        self._prepare_lock = threading.Lock()
         with torch.no_grad():
             self.embed = inner.embed_tokens.weight.detach().to(dtype).contiguous()
             lm_head = hf_model.get_output_embeddings().weight.detach()
             same = lm_head.data_ptr() == inner.embed_tokens.weight.data_ptr()
             self.tied_embeddings = same
-            self.lm_head = Linear(self.embed if same else lm_head.to(dtype))
+            head = Linear(self.embed if same else lm_head.to(dtype))
             self.final_norm = inner.norm.weight.detach().to(dtype)
-            self.layers = [self._take_layer(layer, dtype) for layer in inner.layers]
+            layers = [self._take_layer(layer, dtype) for layer in inner.layers]
+        base = LevelWeights(self.full_precision_level, layers, head, _linear_bytes(layers, head))
+        self._levels[base.level] = base
+        self._active = base
         rot = inner.rotary_emb
         self.rope = RotaryTable(
             rot.inv_freq, s.max_position_embeddings, float(rot.attention_scaling), dtype
@@ -114,9 +143,9 @@ class LlamaModel:
     def _take_layer(layer, dtype: torch.dtype) -> LayerWeights:
         att, mlp = layer.self_attn, layer.mlp
         qkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight], dim=0)
-        bias = None
-        if att.q_proj.bias is not None:
-            bias = torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]).to(dtype)
+        bias = _qkv_bias(att)
+        if bias is not None:
+            bias = bias.to(dtype)
         return LayerWeights(
             input_norm=layer.input_layernorm.weight.detach().to(dtype),
             qkv=Linear(qkv.detach().to(dtype), bias),
@@ -126,12 +155,86 @@ class LlamaModel:
             down=Linear(mlp.down_proj.weight.detach().to(dtype)),
         )
 
+    # ---- quantization levels ---------------------------------------------------------
+    @property
+    def level(self) -> str:
+        """The level forward() uses."""
+        return self._active.level
+
+    @property
+    def layers(self) -> list[LayerWeights]:
+        return self._active.layers
+
+    @property
+    def lm_head(self) -> LinearLike:
+        return self._active.lm_head
+
+    def is_prepared(self, level: str) -> bool:
+        return level in self._levels
+
+    def prepare_level(self, level: str) -> LevelWeights:
+        """Build (once) and cache the weights of `level` from the full-precision ones.
+
+        Thread-safe; may take seconds on a real model. Raises QuantLevelError for an
+        unknown name. Nothing else changes: forward() keeps its level until use_level().
+        """
+        spec = parse_level(level)
+        with self._prepare_lock:
+            if level in self._levels:
+                return self._levels[level]
+            hf, dtype = self._hf_model, self.dtype
+            with torch.no_grad():
+                layers = []
+                for base_lw, layer in zip(
+                    self._levels[self.full_precision_level].layers, hf.model.layers, strict=True
+                ):
+                    att, mlp = layer.self_attn, layer.mlp
+                    qkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
+                    gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+                    layers.append(
+                        LayerWeights(
+                            input_norm=base_lw.input_norm,
+                            qkv=make_linear(qkv, _qkv_bias(att), spec, dtype),
+                            o=make_linear(att.o_proj.weight, None, spec, dtype),
+                            post_norm=base_lw.post_norm,
+                            gate_up=make_linear(gate_up, None, spec, dtype),
+                            down=make_linear(mlp.down_proj.weight, None, spec, dtype),
+                        )
+                    )
+                head_w = hf.get_output_embeddings().weight
+                head = make_linear(head_w, None, head_level(spec), dtype)
+            weights = LevelWeights(level, layers, head, _linear_bytes(layers, head))
+            self._levels[level] = weights  # one dict store: visible whole or not at all
+            return weights
+
+    def use_level(self, level: str) -> None:
+        """Make forward() use `level` from its next call (preparing it first if needed).
+        Call between steps, on the thread that runs forward()."""
+        self._active = self.prepare_level(level)
+
+    def level_bytes(self, level: str) -> int:
+        """Bytes of every linear at `level`: measured once prepared, computed before."""
+        if level in self._levels:
+            return self._levels[level].linear_bytes
+        spec = parse_level(level)
+        s = self.shape
+        qkv_out = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        per_layer = (
+            linear_nbytes(qkv_out, s.hidden_size, spec)
+            + linear_nbytes(s.hidden_size, s.num_heads * s.head_dim, spec)
+            + linear_nbytes(2 * s.intermediate_size, s.hidden_size, spec)
+            + linear_nbytes(s.hidden_size, s.intermediate_size, spec)
+        )
+        head = linear_nbytes(s.vocab_size, s.hidden_size, head_level(spec))
+        return s.num_layers * per_layer + head
+
     def weight_bytes(self) -> int:
-        total = self.embed.numel() * self.embed.element_size() + self.final_norm.numel() * 4
+        """Weight bytes one step reads at the active level: the linears incl. the LM head,
+        the final norm, and the embedding table when it is not the LM head's own."""
+        active = self._active
+        total = self.final_norm.numel() * 4 + active.linear_bytes
         if not self.tied_embeddings:
-            total += self.lm_head.nbytes
-        for lw in self.layers:
-            total += sum(lin.nbytes for lin in (lw.qkv, lw.o, lw.gate_up, lw.down))
+            total += self.embed.numel() * self.embed.element_size()
         return total
 
     def prepare(self, chunks: list[ScheduledChunk], tables: dict[str, list[int]]) -> StepInputs:
@@ -195,9 +298,10 @@ class LlamaModel:
         kv_dim = s.num_kv_heads * s.head_dim
         heads_qk = s.num_heads + s.num_kv_heads
         t = inp.input_ids.shape[0]
+        active = self._active  # read once: a level switch lands between two calls
         cos, sin = self.rope.lookup(inp.positions)
         hidden = F.embedding(inp.input_ids, self.embed)  # [T, hidden]
-        for i, lw in enumerate(self.layers):
+        for i, lw in enumerate(active.layers):
             x = rms_norm(hidden, lw.input_norm, s.rms_norm_eps)
             qkv = lw.qkv(x)  # [T, (H + 2 KVH) D]
             # q and k sit side by side in qkv: rotate them in one call.
@@ -212,7 +316,7 @@ class LlamaModel:
             act = F.silu(gate_up[:, : s.intermediate_size]) * gate_up[:, s.intermediate_size :]
             hidden = hidden + lw.down(act)
         last = rms_norm(hidden.index_select(0, inp.logits_indices), self.final_norm, s.rms_norm_eps)
-        return self.lm_head(last).float()
+        return active.lm_head(last).float()
 
     def _attention(self, layer: int, q: torch.Tensor, inp: StepInputs) -> torch.Tensor:
         kc, vc = self.k_cache[layer], self.v_cache[layer]
@@ -233,6 +337,17 @@ class LlamaModel:
                 paged_prefill_attention(q[offset : offset + n], kc, vc, table, mask, self.scale)
             )
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def _qkv_bias(att) -> torch.Tensor | None:
+    if att.q_proj.bias is None:
+        return None
+    return torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]).detach()
+
+
+def _linear_bytes(layers: list[LayerWeights], lm_head: LinearLike) -> int:
+    per_layer = sum(lin.nbytes for lw in layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down))
+    return per_layer + lm_head.nbytes
 
 
 def _pad(table: list[int], width: int) -> list[int]:

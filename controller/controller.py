@@ -1,0 +1,1418 @@
+"""The feedback controller: observe(telemetry, engine stats, now) -> Decision (+ reason).
+
+Pure decision logic over plain values: it learns step-latency and power models from what
+it observes, predicts each candidate configuration, picks the cheapest one predicted to
+meet the SLOs inside the power budget, and lets feedback guards override the models. It
+keeps its own state (named states, explicit transitions, counters) and nothing else: it
+must not import torch or the daemon, read a clock, sleep, or touch a device or an engine.
+The daemon's control loop (daemon/control_loop.py) feeds it and applies its decisions.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from controller.models import (
+    Ewma,
+    PowerModel,
+    PowerSegment,
+    Prediction,
+    QuantileRatio,
+    StepTimeModel,
+    Workload,
+    WorkloadEstimator,
+    idle_ttft_ms,
+    predict,
+)
+from controller.policy import ControlMode, Knobs, Objective, Policy, allowed_quant_levels
+from controller.signals import (
+    DeviceConstraints,
+    EngineConstraints,
+    EngineStats,
+    StepRecord,
+    Telemetry,
+)
+
+# The percentile of measured-over-modelled prefill power the peak prediction uses (a few
+# 100 ms readings per second: p90 of the last hundred, not their maximum).
+PEAK_PERCENTILE = 90.0
+
+
+class ControllerState(StrEnum):
+    """Where the controller is. Transitions (checked in this order every observation):
+
+    any      -- telemetry stale or missing ------------------------> HOLD
+    HOLD     -- still stale after stale_hold_s ---------------------> FALLBACK
+    HOLD/FALLBACK -- fresh telemetry --------------------------------> (re-evaluated below)
+    any      -- mode manual ------------------------------------------> MANUAL
+    any      -- measured power over the (derated) budget -------------> GUARD_POWER
+    any      -- waiting queue grows / measured SLO miss (auto, observe) -> GUARD_LATENCY
+    any      -- nothing running or waiting for idle_after_s ----------> IDLE
+    any      -- too few samples for the models at this level ---------> LEARNING
+    otherwise ---------------------------------------------------------> TRACKING
+    """
+
+    LEARNING = "learning"
+    TRACKING = "tracking"
+    IDLE = "idle"
+    GUARD_LATENCY = "guard_latency"
+    GUARD_POWER = "guard_power"
+    HOLD = "hold"
+    FALLBACK = "fallback"
+    MANUAL = "manual"
+
+
+class Reason(StrEnum):
+    """Why a decision is what it is; each one is counted."""
+
+    LEARNING = "learning"
+    OPTIMIZE = "optimize"
+    STEADY = "steady"
+    INFEASIBLE = "infeasible"
+    IDLE = "idle"
+    QUEUE_GROWTH = "guard_queue_growth"
+    SLO_MISS = "guard_slo_miss"
+    OVER_BUDGET = "guard_over_budget"
+    STALE_HOLD = "stale_hold"
+    STALE_FALLBACK = "stale_fallback"
+    MANUAL = "manual"
+    QUANT_SWITCH = "quant_switch"
+    QUANT_EXPLORE = "quant_explore"
+    QUANT_FORBIDDEN = "quant_forbidden"
+
+
+@dataclass(frozen=True)
+class ControllerParams:
+    """Tuning of the controller; defaults suit a GPU with a 100 ms telemetry period.
+
+    Timescales: the clock may change every clock_min_interval_s (down: also only
+    descend_hold_s after a move up, for a clock_gain_min_pct gain), the batch caps every
+    batch_period_s, the quantization level after quant_dwell_s for a predicted gain of
+    quant_gain_min_pct (a never-run level is tried for quant_explore_dwell_s; a level that
+    cannot cope for quant_stuck_s is left sooner). Margins: predictions must meet
+    slo_margin x SLO (x descend_margin for a lower clock) and power_margin x budget; the
+    board power limit is set to power_limit_margin x budget; a reading within
+    power_noise_tolerance over the budget is noise. Guards: a latency guard raises the
+    clock by guard_clock_steps candidates (at most every guard_cooldown_s) and holds that
+    floor for guard_hold_s; a power guard lowers the clock at once and holds that ceiling
+    for power_hold_s (anti-windup), released once power is under power_release_margin x
+    budget. Thermal: the budget is derated linearly from 1 at thermal_derate_start_c of
+    margin to thermal_derate_min at thermal_derate_full_c. Stale telemetry: hold for
+    stale_hold_s, then the fallback knobs. Learning: learning_min_steps steps and
+    learning_min_power_samples readings before the models are used; a clock counts as
+    seen after trust_min_samples steps, and trust reaches trust_clock_steps beyond.
+    """
+
+    batch_period_s: float = 2.0
+    quant_dwell_s: float = 30.0
+    quant_explore_dwell_s: float = 10.0
+    quant_gain_min_pct: float = 10.0
+    quant_stuck_s: float = 3.0
+    clock_gain_min_pct: float = 3.0
+    clock_min_interval_s: float = 1.0
+    clock_candidates: int = 12
+    descend_margin: float = 0.9
+    descend_hold_s: float = 5.0
+    chunk_step_slo_factor: float = 2.5
+    slo_margin: float = 0.85
+    power_margin: float = 0.95
+    power_limit_margin: float = 0.98
+    guard_clock_steps: int = 3
+    guard_cooldown_s: float = 1.0
+    guard_hold_s: float = 10.0
+    power_hold_s: float = 5.0
+    power_release_margin: float = 0.9
+    power_noise_tolerance: float = 0.02
+    queue_growth_ticks: int = 3
+    thermal_derate_start_c: float = 6.0
+    thermal_derate_full_c: float = 0.0
+    thermal_derate_min: float = 0.6
+    stale_hold_s: float = 2.0
+    fallback_sm_clock_mhz: int | None = None
+    fallback_max_num_seqs: int | None = None
+    idle_after_s: float = 0.5
+    learning_min_steps: int = 30
+    learning_min_power_samples: int = 8
+    trust_clock_steps: int = 2
+    trust_min_samples: int = 10
+
+    def __post_init__(self) -> None:
+        for name in (
+            "batch_period_s",
+            "quant_dwell_s",
+            "quant_explore_dwell_s",
+            "clock_min_interval_s",
+            "slo_margin",
+            "power_margin",
+            "power_limit_margin",
+            "stale_hold_s",
+            "power_release_margin",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ControllerParams.{name} must be > 0")
+        for name in ("slo_margin", "power_margin", "power_limit_margin", "power_release_margin"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"ControllerParams.{name} must be <= 1")
+        if not 0 < self.thermal_derate_min <= 1:
+            raise ValueError("ControllerParams.thermal_derate_min must be in (0, 1]")
+        if self.thermal_derate_full_c >= self.thermal_derate_start_c:
+            raise ValueError("ControllerParams: thermal_derate_full_c must be < _start_c")
+        if self.clock_candidates < 2 or self.guard_clock_steps < 1:
+            raise ValueError("ControllerParams: clock_candidates >= 2, guard_clock_steps >= 1")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One observation's outcome: the complete knob setting and why.
+
+    apply: False in observe mode (advice only: nothing may be applied). changed: knobs that
+    differ from the previous decision. effective_budget_w: the budget after thermal
+    derating. prediction: the model's view of the chosen configuration, when it has one.
+    """
+
+    at_s: float
+    seq: int
+    state: ControllerState
+    mode: ControlMode
+    knobs: Knobs
+    changed: tuple[str, ...]
+    apply: bool
+    reason_code: Reason
+    reason: str
+    effective_budget_w: float
+    prediction: Prediction | None = None
+
+    def to_dict(self) -> dict:
+        """JSON-ready form (events, /v1/status)."""
+        k = self.knobs
+        out = {
+            "at_s": self.at_s,
+            "seq": self.seq,
+            "state": self.state.value,
+            "mode": self.mode.value,
+            "apply": self.apply,
+            "reason_code": self.reason_code.value,
+            "reason": self.reason,
+            "changed": list(self.changed),
+            "effective_budget_w": round(self.effective_budget_w, 2),
+            "knobs": {
+                "max_num_seqs": k.max_num_seqs,
+                "max_num_batched_tokens": k.max_num_batched_tokens,
+                "quant_level": k.quant_level,
+                "sm_clock_mhz": k.sm_clock_mhz,
+                "power_limit_w": k.power_limit_w,
+            },
+            "prediction": None,
+        }
+        p = self.prediction
+        if p is not None and math.isfinite(p.j_per_token):
+            out["prediction"] = {
+                "j_per_token": round(p.j_per_token, 5),
+                "ttft_ms": round(p.ttft_ms, 1),
+                "tpot_ms": round(p.tpot_ms, 1),
+                "power_w": round(p.power_w, 1),
+                "peak_power_w": round(p.peak_power_w, 1),
+            }
+        return out
+
+
+@dataclass
+class ControllerCounters:
+    """Counts since start: decisions by reason code, knob changes by knob, state
+    transitions as 'from->to'."""
+
+    decisions: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in Reason})
+    knob_changes: dict[str, int] = field(default_factory=dict)
+    transitions: dict[str, int] = field(default_factory=dict)
+
+    def snapshot(self) -> dict:
+        return {
+            "decisions": dict(self.decisions),
+            "knob_changes": dict(self.knob_changes),
+            "transitions": dict(self.transitions),
+        }
+
+
+@dataclass
+class _Choice:
+    state: ControllerState
+    knobs: Knobs
+    code: Reason
+    reason: str
+    prediction: Prediction | None = None
+
+
+def candidate_clocks(ladder: tuple[int, ...], count: int) -> tuple[int, ...]:
+    """About `count` clocks spread evenly over the ladder, both ends included."""
+    if len(ladder) <= count:
+        return ladder
+    step = (len(ladder) - 1) / (count - 1)
+    return tuple(sorted({ladder[round(i * step)] for i in range(count)}))
+
+
+class Controller:
+    """Decides the knobs from observations, on separate timescales.
+
+    NOTE: predict, then guard. Every observation first feeds the models: each engine step
+    teaches the step-latency model of its quantization level (RLS over the batch's tokens,
+    with a f_max/f - 1 slowdown term per token kind), each power reading teaches one power
+    model (RLS over the window's decode and prefill busy shares at each clock); measured
+    TTFT/TPOT over the model's smoothed mean give the percentile ratios, and measured
+    100 ms power over the modelled prefill phase gives the peak ratio. Guards come first
+    and override the models: power over the thermally derated budget lowers the clock at
+    once and holds that ceiling (anti-windup: nothing raises the clock above it until the
+    hold has passed with power under the release margin; a re-trigger doubles the hold);
+    a growing queue or a measured TTFT/TPOT miss raises the clock at once (to the top for
+    a request waiting half its TTFT SLO), never above what the budget allows, and holds
+    that floor. Without a guard, three timescales: the clock each observation (the least
+    predicted J/token whose percentile TTFT/TPOT meet slo_margin x SLO and whose power
+    fits the budget; fast up, slow down: a lower clock needs a tighter margin, a gain of
+    clock_gain_min_pct and descend_hold_s since the last move up, and only clocks a few
+    candidates beyond those seen are trusted); the batch caps every batch_period_s; the
+    quantization level after quant_dwell_s for a quant_gain_min_pct gain (twice that to
+    go back), levels compared over the same clocks, a never-run level tried once (fastest
+    measured first), and an escape to the level with the most headroom when the current
+    one cannot cope for quant_stuck_s. Where the board power limit can hold the budget it
+    is set to it (the 100 ms backstop); below its range only the clock holds the budget,
+    with predicted peak phases. Idle: the lowest trusted clock whose predicted TTFT for
+    the next arrival meets the SLO. Stale telemetry: hold, then the fallback knobs.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        device: DeviceConstraints,
+        engine: EngineConstraints,
+        initial_knobs: Knobs,
+        params: ControllerParams | None = None,
+    ) -> None:
+        self.params = params or ControllerParams()
+        self.device = device
+        self.engine = engine
+        self._policy = policy
+        self._clocks = candidate_clocks(device.sm_clock_ladder_mhz, self.params.clock_candidates)
+        self._levels = {o.level: o for o in engine.quant_options}
+        reference_w = device.power_limit_max_w or policy.power_budget_w
+        self._reference_w = reference_w
+        self._step_models: dict[str, StepTimeModel] = {}
+        # One power model for every level: it is learned all the time, so comparisons
+        # between levels never rest on a stale one (levels differ mostly in how long their
+        # steps keep the GPU busy, which the step models capture).
+        self._power = PowerModel(device.sm_clock_max_mhz, self._reference_w)
+        self._ttft_ratio = QuantileRatio(default=1.5)
+        self._tpot_ratio = QuantileRatio(default=1.3)
+        self._peak_ratio = QuantileRatio(default=1.1, window=100)
+        self._workload = WorkloadEstimator()
+        self.counters = ControllerCounters()
+        self.state = ControllerState.LEARNING
+        self._knobs = self._clamp(initial_knobs)
+        self._manual_knobs: Knobs | None = None
+        self._last_safe = self._knobs
+        self._seq = 0
+        self._last: Decision | None = None
+        # timescale bookkeeping
+        self._last_clock_change_s = -math.inf
+        self._last_clock_up_s = -math.inf
+        self._last_batch_s = -math.inf
+        self._last_quant_switch_s: float | None = None
+        self._explored: set[str] = set()
+        self._quant_left_s: dict[str, float] = {}  # when each level was last switched away from
+        self._exploring: tuple[str, str] | None = None  # (level tried, level before)
+        self._exploring_stuck = False  # the trial began because the level before could not cope
+        # guards
+        self._waiting_hist: deque[int] = deque(maxlen=max(2, self.params.queue_growth_ticks + 1))
+        self._last_guard_s = -math.inf
+        self._floor_mhz: int | None = None
+        self._floor_until_s = -math.inf
+        self._ceiling_mhz: int | None = None
+        self._ceiling_until_s = -math.inf
+        self._power_hold_s = self.params.power_hold_s
+        self._last_power_guard_s = -math.inf
+        self._stale_since_s: float | None = None
+        self._idle_since_s: float | None = None
+        self._slowdown_active = False
+        # history for the power model
+        self._recent_steps: deque[StepRecord] = deque(maxlen=512)
+        self._pred_ttft_ms = Ewma(5.0)  # the model's mean predictions in force, smoothed
+        self._pred_tpot_ms = Ewma(5.0)
+        self._pred_at_s: float | None = None
+        self._last_telemetry: Telemetry | None = None
+        self._derate = 1.0
+        self._now_s = 0.0
+        self._feasible_since_s: float | None = None
+        self._stuck_since_s: float | None = None
+        self._infeasible_since_s: float | None = None
+
+    # ---- public surface ----------------------------------------
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    @property
+    def knobs(self) -> Knobs:
+        """The knobs of the latest decision (advice only in observe mode)."""
+        return self._knobs
+
+    @property
+    def last_decision(self) -> Decision | None:
+        return self._last
+
+    def set_policy(self, policy: Policy) -> None:
+        """Take a new policy (HTTP, MQTT or config); acted on at the next observation.
+
+        A budget cut takes effect at once: the next observation sees power against it.
+        """
+        if policy.mode == ControlMode.MANUAL and self._manual_knobs is None:
+            self._manual_knobs = self._knobs
+        self._policy = policy
+
+    def set_manual_knobs(self, knobs: Knobs) -> Knobs:
+        """The operator's knobs for manual mode (clamped into the constraints)."""
+        self._manual_knobs = self._clamp(knobs)
+        return self._manual_knobs
+
+    def observe(self, telemetry: Telemetry | None, stats: EngineStats, now_s: float) -> Decision:
+        """Learn from one observation and decide every knob."""
+        self._now_s = now_s
+        self._ingest(telemetry, stats, now_s)
+        budget_w = self._effective_budget_w(telemetry)
+        choice = self._choose(telemetry, stats, now_s, budget_w)
+        return self._finish(choice, now_s, budget_w, telemetry)
+
+    def status(self) -> dict:
+        """JSON-ready state for /v1/status and MQTT."""
+        last = self._last
+        return {
+            "state": self.state.value,
+            "mode": self._policy.mode.value,
+            "policy": {
+                "power_budget_w": self._policy.power_budget_w,
+                "ttft_slo_ms": self._policy.ttft_slo_ms,
+                "tpot_slo_ms": self._policy.tpot_slo_ms,
+                "slo_percentile": self._policy.slo_percentile,
+                "objective": self._policy.objective.value,
+                "max_ppl_increase_pct": self._policy.max_ppl_increase_pct,
+            },
+            "effective_budget_w": last.effective_budget_w if last else None,
+            "thermal_derate": round(self._derate, 3),
+            "last_decision": last.to_dict() if last else None,
+            "counters": self.counters.snapshot(),
+            "models": {
+                level: {
+                    "step_samples": m.samples,
+                    "seen_clocks_mhz": m.seen_clocks(self.params.trust_min_samples),
+                }
+                for level, m in self._step_models.items()
+            },
+            "power_samples": self._power.samples,
+            "latency_ratio": {
+                "ttft": round(self._ttft_ratio.ratio(self._now_s, self._policy.slo_percentile), 3),
+                "tpot": round(self._tpot_ratio.ratio(self._now_s, self._policy.slo_percentile), 3),
+            },
+        }
+
+    # ---- learning ----------------------------------------
+
+    def _step_model(self, level: str) -> StepTimeModel:
+        model = self._step_models.get(level)
+        if model is None:
+            model = self._prior_step_model(level)
+            self._step_models[level] = model
+        return model
+
+    def _prior_step_model(self, level: str) -> StepTimeModel:
+        current = self._knobs.quant_level
+        base = self._step_models.get(current) if current else None
+        if base is None:
+            return StepTimeModel(self.device.sm_clock_max_mhz)
+        return base.as_prior()
+
+    def _ingest(self, telemetry: Telemetry | None, stats: EngineStats, now_s: float) -> None:
+        usable = telemetry is not None and telemetry.usable
+        clock_now = self._clock_now(telemetry)
+        for step in stats.steps:
+            clock = step.sm_clock_mhz or clock_now
+            if step.duration_s > 0 and clock:
+                self._step_model(step.quant_level).learn(step, clock)
+            self._recent_steps.append(step)
+        self._workload.update(
+            now_s,
+            stats.requests_total,
+            stats.prompt_tokens_total,
+            stats.generation_tokens_total,
+            stats.steps,
+        )
+        # A request's latency spans seconds of operation, so it is compared with the model's
+        # recent mean prediction (smoothed over about a request's life), and only while the
+        # controller is tracking at one quantization level (not through learning or trials).
+        if self._pred_ttft_ms.value is not None and self.state == ControllerState.TRACKING:
+            for x in stats.ttft_s:
+                self._ttft_ratio.add(now_s, x * 1000.0, self._pred_ttft_ms.value)
+            for x in stats.tpot_s:
+                self._tpot_ratio.add(now_s, x * 1000.0, self._pred_tpot_ms.value or 0.0)
+        self._waiting_hist.append(stats.num_waiting)
+        if usable:
+            assert telemetry is not None
+            slowdown = telemetry.hw_slowdown or telemetry.thermal_throttle
+            if slowdown and not self._slowdown_active:
+                # The latency seen under a hardware slowdown says little about the clock
+                # commanded: trust the models less so they re-learn quickly, and forget
+                # the percentile ratios measured before.
+                for m in self._step_models.values():
+                    m.rls.inflate(10.0)
+                self._ttft_ratio.clear()
+                self._tpot_ratio.clear()
+            self._slowdown_active = slowdown
+            self._learn_power(telemetry, clock_now)
+            # How far short-window readings with prefill run above the model's prefill
+            # phase (prefill chunks differ in intensity): calibrates the peak prediction.
+            recent = [s for s in stats.steps if s.has_prefill]
+            settled = now_s - self._last_clock_change_s >= 0.5  # the reading is at this clock
+            if recent and settled and telemetry.power_w is not None and clock_now:
+                model_peak = self._power.predict_w(clock_now, 0.0, 1.0, telemetry.gpu_temp_c)
+                self._peak_ratio.add(now_s, telemetry.power_w, model_peak)
+            self._last_telemetry = telemetry
+
+    def _clock_now(self, telemetry: Telemetry | None) -> int | None:
+        if telemetry is not None and telemetry.sm_clock_mhz:
+            return telemetry.sm_clock_mhz
+        return self._knobs.sm_clock_mhz or self.device.sm_clock_max_mhz
+
+    def _learn_power(self, telemetry: Telemetry, idle_clock: int | None) -> None:
+        if telemetry.power_avg_w is None or idle_clock is None:
+            return
+        window = telemetry.power_avg_window_s
+        end = telemetry.timestamp_s
+        start = end - window
+        segments: list[PowerSegment] = []
+        busy = 0.0
+        for step in self._recent_steps:
+            s0 = max(step.started_at_s, start)
+            s1 = min(step.started_at_s + step.duration_s, end)
+            if s1 <= s0:
+                continue
+            overlap = (s1 - s0) / window
+            busy += overlap
+            clock = step.sm_clock_mhz or idle_clock
+            if step.has_prefill:
+                segments.append(PowerSegment(overlap, clock, 0.0, 1.0))
+            else:
+                segments.append(PowerSegment(overlap, clock, 1.0, 0.0))
+        if busy > 1.05:
+            return  # overlapping records: not learnable
+        idle = max(0.0, 1.0 - busy)
+        if idle > 0:
+            segments.append(PowerSegment(idle, idle_clock, 0.0, 0.0))
+        self._power.learn(segments, telemetry.gpu_temp_c, telemetry.power_avg_w)
+
+    # ---- budget ----------------------------------------
+
+    def _effective_budget_w(self, telemetry: Telemetry | None) -> float:
+        p = self.params
+        derate = 1.0
+        if telemetry is not None and telemetry.thermal_margin_c is not None:
+            m = telemetry.thermal_margin_c
+            if m <= p.thermal_derate_full_c:
+                derate = p.thermal_derate_min
+            elif m < p.thermal_derate_start_c:
+                frac = (p.thermal_derate_start_c - m) / (
+                    p.thermal_derate_start_c - p.thermal_derate_full_c
+                )
+                derate = 1.0 - frac * (1.0 - p.thermal_derate_min)
+        # Smooth: derating follows temperature at once, recovers a little each observation.
+        if derate < self._derate:
+            self._derate = derate
+        else:
+            self._derate = min(derate, self._derate + 0.02)
+        return self._policy.power_budget_w * self._derate
+
+    def _hw_limit_enforces(self, budget_w: float) -> bool:
+        d = self.device
+        return d.can_set_power_limit and (
+            d.power_limit_min_w is None
+            or budget_w * self.params.power_limit_margin >= d.power_limit_min_w
+        )
+
+    def _power_limit_for(self, budget_w: float) -> float | None:
+        if not self.device.can_set_power_limit:
+            return None
+        return self._clamp_power(budget_w * self.params.power_limit_margin)
+
+    # ---- the decision ----------------------------------------
+
+    def _choose(
+        self, telemetry: Telemetry | None, stats: EngineStats, now_s: float, budget_w: float
+    ) -> _Choice:
+        p = self.params
+        policy = self._policy
+        current = self._current_knobs(telemetry, stats)
+        # 1. Stale or missing telemetry: hold the last safe configuration, then fall back.
+        if telemetry is None or not telemetry.usable:
+            if self._stale_since_s is None:
+                self._stale_since_s = now_s
+            stale_for = now_s - self._stale_since_s
+            if stale_for < p.stale_hold_s:
+                return _Choice(
+                    ControllerState.HOLD,
+                    self._last_safe,
+                    Reason.STALE_HOLD,
+                    f"telemetry {'missing' if telemetry is None else 'stale'} for "
+                    f"{stale_for:.1f} s: holding the last safe configuration",
+                )
+            return _Choice(
+                ControllerState.FALLBACK,
+                self._fallback_knobs(current, budget_w),
+                Reason.STALE_FALLBACK,
+                f"telemetry stale for {stale_for:.1f} s (> {p.stale_hold_s:g} s): "
+                "conservative fallback configuration",
+            )
+        self._stale_since_s = None
+        power_w = telemetry.power_w or 0.0
+        power_limit = self._power_limit_for(budget_w)
+
+        # 2. Manual: the operator's knobs, with only the power and thermal guards.
+        if policy.mode == ControlMode.MANUAL:
+            manual = (self._manual_knobs or current).with_changes(power_limit_w=power_limit)
+            guarded = self._power_guard(telemetry, manual, now_s, budget_w, power_w)
+            if guarded is not None:
+                return guarded
+            ceiling = self._active_ceiling(now_s, power_w, budget_w, telemetry.gpu_temp_c)
+            if (
+                ceiling is not None
+                and (manual.sm_clock_mhz or self.device.sm_clock_max_mhz) > ceiling
+            ):
+                manual = manual.with_changes(sm_clock_mhz=ceiling)
+            return _Choice(
+                ControllerState.MANUAL,
+                manual,
+                Reason.MANUAL,
+                "manual knobs (power and thermal guarded)",
+            )
+
+        # 3. Over budget: step down at once, whatever the model says.
+        base = current.with_changes(power_limit_w=power_limit)
+        guarded = self._power_guard(telemetry, base, now_s, budget_w, power_w)
+        if guarded is not None:
+            return guarded
+        ceiling = self._active_ceiling(now_s, power_w, budget_w, telemetry.gpu_temp_c)
+
+        allowed = allowed_quant_levels(
+            self.engine.quant_options, self.engine.full_precision_level, policy
+        )
+        level = base.quant_level or self.engine.full_precision_level
+        if level not in allowed:
+            target = self._best_allowed_level(allowed, level)
+            return _Choice(
+                self.state if self.state != ControllerState.IDLE else ControllerState.TRACKING,
+                base.with_changes(quant_level=target),
+                Reason.QUANT_FORBIDDEN,
+                f"quantization level {level} is not allowed by the policy "
+                f"(max_ppl_increase_pct {policy.max_ppl_increase_pct}): switching to {target}",
+            )
+
+        # 4. Latency guards: queue growth or a measured SLO miss steps up at once.
+        workload = self._workload.current()
+        latency = self._latency_guard(telemetry, stats, base, now_s, ceiling, budget_w)
+        if latency is not None:
+            if self._exploring is not None and not self._exploring_stuck:
+                # A calm trial that hurts latency ends at once; a trial begun because the
+                # previous level could not cope is not its fault, and goes on.
+                tried, before = self._exploring
+                self._exploring = None
+                latency.knobs = latency.knobs.with_changes(quant_level=before)
+                latency.reason += f"; trial of {tried} aborted, back to {before}"
+                return latency
+            # Guards firing count as the level not coping; after quant_stuck_s of that,
+            # the quantization step may escape to a level with more headroom.
+            if self._stuck_since_s is None:
+                self._stuck_since_s = now_s
+            elif now_s - self._stuck_since_s >= p.quant_stuck_s:
+                escape = self._quant_step(
+                    base, allowed, workload, telemetry.gpu_temp_c, now_s, budget_w, ceiling
+                )
+                if escape is not None:
+                    return escape
+            return latency
+
+        step_model = self._step_model(level)
+        power_model = self._power
+
+        # 5. Idle: the lowest clock whose TTFT for the next arrival meets the SLO.
+        idle_now = stats.num_running == 0 and stats.num_waiting == 0 and not stats.steps
+        if not idle_now:
+            self._idle_since_s = None
+        elif self._idle_since_s is None:
+            self._idle_since_s = now_s
+        if idle_now and now_s - self._idle_since_s >= p.idle_after_s:
+            return self._idle_choice(base, step_model, workload, ceiling)
+
+        # 6. Learning: too little data to trust the models; the highest clock the budget allows.
+        learning = (
+            step_model.samples < p.learning_min_steps
+            or power_model.samples < p.learning_min_power_samples
+        )
+        if learning:
+            top = ceiling if ceiling is not None else self.device.sm_clock_max_mhz
+            # The first level learns at the top clock (nothing is known yet); a level tried
+            # later learns where the controller already runs: its model starts from the
+            # other level's clock sensitivity, and the guards stay armed.
+            trained = any(
+                m.samples >= p.learning_min_steps
+                for lv, m in self._step_models.items()
+                if lv != level
+            )
+            if trained and power_model.samples >= p.learning_min_power_samples:
+                top = min(top, base.sm_clock_mhz or top)
+            knobs = base.with_changes(sm_clock_mhz=top)
+            return _Choice(
+                ControllerState.LEARNING,
+                knobs,
+                Reason.LEARNING,
+                f"learning {level}: {step_model.samples}/{p.learning_min_steps} steps, "
+                f"{power_model.samples}/{p.learning_min_power_samples} power samples; "
+                f"clock {top} MHz",
+            )
+
+        # 7. Tracking: least predicted J/token meeting the SLOs, on three timescales.
+        return self._track(base, allowed, workload, telemetry, now_s, budget_w, ceiling)
+
+    def _current_knobs(self, telemetry: Telemetry | None, stats: EngineStats) -> Knobs:
+        if self._policy.mode != ControlMode.OBSERVE:
+            k = self._knobs
+            if stats.quant_level and k.quant_level is None:
+                k = k.with_changes(quant_level=stats.quant_level)
+            return k
+        # Observe mode applies nothing, so advice starts from what is in force.
+        clock = telemetry.sm_clock_mhz if telemetry is not None else None
+        return self._clamp(
+            self._knobs.with_changes(
+                quant_level=stats.quant_level or self._knobs.quant_level,
+                sm_clock_mhz=self._knobs.sm_clock_mhz if clock is None else self._snap(clock),
+            )
+        )
+
+    # ---- guards ----------------------------------------
+
+    def _power_guard(
+        self, telemetry: Telemetry, knobs: Knobs, now_s: float, budget_w: float, power_w: float
+    ) -> _Choice | None:
+        # One noisy short-window reading just over is not a violation; a sustained one, or
+        # one clearly over, is.
+        avg = telemetry.power_avg_w if telemetry.power_avg_w is not None else power_w
+        tolerance = 1.0 + self.params.power_noise_tolerance
+        if power_w <= budget_w * tolerance and not (power_w > budget_w and avg > budget_w):
+            return None
+        p = self.params
+        actual = telemetry.sm_clock_mhz or knobs.sm_clock_mhz or self.device.sm_clock_max_mhz
+        model = self._power
+        one_down = self._move(self._snap(actual), -1)
+        target = None
+        if model.samples >= p.learning_min_power_samples:
+            prefill = any(s.has_prefill for s in list(self._recent_steps)[-20:])
+            for f in reversed(self._clocks):
+                if f > one_down:
+                    continue
+                peak = model.predict_w(
+                    f, 0.0 if prefill else 1.0, 1.0 if prefill else 0.0, telemetry.gpu_temp_c
+                )
+                if peak <= budget_w * p.power_margin:
+                    target = f
+                    break
+        if target is None:
+            # No trusted model: cut the clock in proportion (dynamic power ~ f^2 or more).
+            scaled = actual * math.sqrt(budget_w / power_w) * p.power_margin
+            target = min(self._snap(scaled), one_down)
+        target = max(target, self.device.sm_clock_min_mhz)
+        # A guard that fires again soon after its ceiling was released holds twice as long
+        # (up to 4x): the release was too early, and must not become a limit cycle.
+        if now_s - self._last_power_guard_s < 2 * self._power_hold_s:
+            self._power_hold_s = min(self._power_hold_s * 2, 4 * p.power_hold_s)
+        else:
+            self._power_hold_s = p.power_hold_s
+        self._last_power_guard_s = now_s
+        self._ceiling_mhz = target
+        self._ceiling_until_s = now_s + self._power_hold_s
+        self._floor_mhz = None  # power wins over latency
+        return _Choice(
+            ControllerState.GUARD_POWER,
+            knobs.with_changes(sm_clock_mhz=target),
+            Reason.OVER_BUDGET,
+            f"power {power_w:.0f} W over the budget {budget_w:.0f} W"
+            + (f" (derated x{self._derate:.2f})" if self._derate < 1 else "")
+            + f": clock {actual} -> {target} MHz, held for {self._power_hold_s:g} s",
+        )
+
+    def _active_ceiling(
+        self, now_s: float, power_w: float, budget_w: float, temp_c: float | None = None
+    ) -> int | None:
+        """The power guard's clock ceiling (anti-windup: nothing raises the clock above it).
+        Past the hold, with power below the release margin, it rises by one candidate, or at
+        once to the highest clock the power model predicts safe when that is higher."""
+        if self._ceiling_mhz is None:
+            return None
+        p = self.params
+        if now_s >= self._ceiling_until_s and power_w < budget_w * p.power_release_margin:
+            raised = max(self._move(self._ceiling_mhz, +1), self._safe_clock(budget_w, temp_c))
+            if raised >= self.device.sm_clock_max_mhz:
+                self._ceiling_mhz = None
+                return None
+            self._ceiling_mhz = raised
+            self._ceiling_until_s = now_s + p.clock_min_interval_s
+        return self._ceiling_mhz
+
+    def _safe_clock(self, budget_w: float, temp_c: float | None) -> int:
+        """The highest candidate clock whose predicted power in the hungriest phase seen
+        lately (x the measured peak ratio) fits the budget; the top clock where the board
+        power limit enforces the budget."""
+        p = self.params
+        model = self._power
+        if self._hw_limit_enforces(budget_w):
+            return self.device.sm_clock_max_mhz  # the board limit holds the budget
+        if model.samples < p.learning_min_power_samples:
+            return self.device.sm_clock_min_mhz
+        recent = list(self._recent_steps)[-50:]
+        prefill = any(s.has_prefill for s in recent)
+        busy = 1.0 if recent else 0.0
+        peak_ratio = self._peak_ratio.ratio(self._now_s, PEAK_PERCENTILE)
+        for f in reversed(self._clocks):
+            watts = peak_ratio * model.predict_w(
+                f, 0.0 if prefill else busy, busy if prefill else 0.0, temp_c
+            )
+            if watts <= budget_w * p.power_margin:
+                return f
+        return self.device.sm_clock_min_mhz
+
+    def _latency_guard(
+        self,
+        telemetry: Telemetry,
+        stats: EngineStats,
+        knobs: Knobs,
+        now_s: float,
+        ceiling: int | None,
+        budget_w: float,
+    ) -> _Choice | None:
+        p = self.params
+        policy = self._policy
+        hist = list(self._waiting_hist)
+        k = p.queue_growth_ticks
+        growing = (
+            stats.num_waiting > 0
+            and len(hist) > p.queue_growth_ticks
+            and all(b > a for a, b in zip(hist[-k - 1 : -1], hist[-k:], strict=True))
+        )
+        long_wait = (
+            stats.oldest_waiting_s is not None
+            and stats.oldest_waiting_s * 1000.0 > 0.5 * policy.ttft_slo_ms
+        )
+        ttft_miss = [x for x in stats.ttft_s if x * 1000.0 > policy.ttft_slo_ms]
+        tpot_miss = [x for x in stats.tpot_s if x * 1000.0 > policy.tpot_slo_ms]
+        if not (growing or long_wait or ttft_miss or tpot_miss):
+            return None
+        if now_s - self._last_guard_s < p.guard_cooldown_s:
+            # Still within the cooldown of the last step up: keep its floor, no new step.
+            return None
+        top = ceiling if ceiling is not None else self.device.sm_clock_max_mhz
+        clock = knobs.sm_clock_mhz or self.device.sm_clock_max_mhz
+        # The budget wins over latency: never above what the power model says fits it.
+        top = min(top, max(self._safe_clock(budget_w, telemetry.gpu_temp_c), self._snap(clock)))
+        # A request already waiting half its TTFT SLO cannot wait for a staircase: jump to
+        # the top; otherwise step up by guard_clock_steps candidates.
+        step = len(self._clocks) if long_wait else p.guard_clock_steps
+        target = min(self._move(self._snap(clock), step), top)
+        seqs = knobs.max_num_seqs
+        if (growing or long_wait) and stats.num_running >= knobs.max_num_seqs and not tpot_miss:
+            seqs = min(self.engine.max_num_seqs_max, max(seqs + 1, math.ceil(seqs * 1.5)))
+        tokens = knobs.max_num_batched_tokens
+        if (target, seqs, tokens) == (clock, knobs.max_num_seqs, knobs.max_num_batched_tokens):
+            return None  # nothing left to raise: let the optimizer keep its choice
+        self._last_guard_s = now_s
+        self._floor_mhz = target
+        self._floor_until_s = now_s + p.guard_hold_s
+        if growing or long_wait:
+            code = Reason.QUEUE_GROWTH
+            what = (
+                f"waiting queue growing ({'→'.join(map(str, hist[-p.queue_growth_ticks - 1 :]))})"
+                if growing
+                else f"oldest request waiting {stats.oldest_waiting_s:.2f} s"
+            )
+        else:
+            code = Reason.SLO_MISS
+            parts = []
+            if ttft_miss:
+                parts.append(f"TTFT {max(ttft_miss) * 1000:.0f} ms > {policy.ttft_slo_ms:g} ms")
+            if tpot_miss:
+                parts.append(f"TPOT {max(tpot_miss) * 1000:.0f} ms > {policy.tpot_slo_ms:g} ms")
+            what = "measured " + ", ".join(parts)
+        return _Choice(
+            ControllerState.GUARD_LATENCY,
+            knobs.with_changes(
+                sm_clock_mhz=target, max_num_seqs=seqs, max_num_batched_tokens=tokens
+            ),
+            code,
+            f"{what}: clock {clock} -> {target} MHz"
+            + (
+                f", max_num_seqs {knobs.max_num_seqs} -> {seqs}"
+                if seqs != knobs.max_num_seqs
+                else ""
+            )
+            + (
+                f", max_num_batched_tokens {knobs.max_num_batched_tokens} -> {tokens}"
+                if tokens != knobs.max_num_batched_tokens
+                else ""
+            )
+            + f"; floor held {p.guard_hold_s:g} s",
+        )
+
+    # ---- idle and fallback ----------------------------------------
+
+    def _idle_choice(
+        self, knobs: Knobs, model: StepTimeModel, workload: Workload, ceiling: int | None
+    ) -> _Choice:
+        p = self.params
+        slo = self._policy.ttft_slo_ms * p.slo_margin
+        ratio = self._ttft_ratio.ratio(self._now_s, self._policy.slo_percentile)
+        top = ceiling if ceiling is not None else self.device.sm_clock_max_mhz
+        chosen = None
+        if model.samples >= p.learning_min_steps:
+            level = knobs.quant_level or self.engine.full_precision_level
+            for f in self._clock_range(level, self._now_s, ceiling):
+                if f > top:
+                    break
+                ttft = idle_ttft_ms(
+                    model, f, workload.mean_prompt_tokens, knobs.max_num_batched_tokens
+                )
+                if ttft * ratio <= slo:
+                    chosen = (f, ttft * ratio)
+                    break
+        if chosen is None:
+            f = knobs.sm_clock_mhz or top
+            return _Choice(
+                ControllerState.IDLE,
+                knobs,
+                Reason.IDLE,
+                "idle: no trusted latency model yet, keeping the clock",
+            )
+        f, ttft = chosen
+        return _Choice(
+            ControllerState.IDLE,
+            knobs.with_changes(sm_clock_mhz=f),
+            Reason.IDLE,
+            f"idle: lowest clock meeting the TTFT SLO for the next arrival: {f} MHz "
+            f"(predicted {ttft:.0f} ms for a {workload.mean_prompt_tokens:.0f}-token prompt)",
+        )
+
+    def _fallback_knobs(self, current: Knobs, budget_w: float) -> Knobs:
+        p = self.params
+        ladder = self.device.sm_clock_ladder_mhz
+        clock = p.fallback_sm_clock_mhz or ladder[len(ladder) // 2]
+        seqs = p.fallback_max_num_seqs or max(1, self.engine.max_num_seqs_max // 2)
+        return current.with_changes(
+            sm_clock_mhz=clock,
+            max_num_seqs=min(seqs, current.max_num_seqs),
+            power_limit_w=self._power_limit_for(budget_w),
+        )
+
+    # ---- tracking ----------------------------------------
+
+    def _feasible(self, pr: Prediction, budget_w: float, tighten: float = 1.0) -> bool:
+        """Predicted to meet both SLOs (x slo_margin x tighten) and the budget."""
+        p = self.params
+        policy = self._policy
+        if not pr.stable:
+            return False
+        margin = p.slo_margin * tighten
+        if pr.ttft_ms > policy.ttft_slo_ms * margin or pr.tpot_ms > policy.tpot_slo_ms * margin:
+            return False
+        return self._within_budget(pr, budget_w)
+
+    def _within_budget(self, pr: Prediction, budget_w: float) -> bool:
+        """Where the board power limit enforces the budget, always; elsewhere the predicted
+        1 s mean and the hungriest phase (a prefill step, 100 ms windows, scaled by the
+        measured peak ratio) must fit power_margin x budget."""
+        if self._hw_limit_enforces(budget_w):
+            return True  # the board limit (set at the budget) holds it, at 100 ms
+        limit = budget_w * self.params.power_margin
+        if pr.power_w > limit:
+            return False
+        return pr.peak_power_w * self._peak_ratio.ratio(self._now_s, PEAK_PERCENTILE) <= limit
+
+    def _score(self, pr: Prediction) -> float:
+        if self._policy.objective == Objective.MIN_LATENCY:
+            return pr.tpot_ms / self._policy.tpot_slo_ms + pr.ttft_ms / self._policy.ttft_slo_ms
+        return pr.j_per_token
+
+    def _predict(
+        self,
+        level: str,
+        clock: int,
+        seqs: int,
+        tokens: int,
+        workload: Workload,
+        temp_c: float | None,
+    ) -> Prediction:
+        return predict(
+            level=level,
+            clock_mhz=clock,
+            max_num_seqs=seqs,
+            max_num_batched_tokens=tokens,
+            workload=workload,
+            step_model=self._step_model(level),
+            power_model=self._power,
+            temp_c=temp_c,
+            ttft_ratio=self._ttft_ratio.ratio(self._now_s, self._policy.slo_percentile),
+            tpot_ratio=self._tpot_ratio.ratio(self._now_s, self._policy.slo_percentile),
+        )
+
+    def _clock_range(self, level: str, now_s: float, ceiling: int | None) -> list[int]:
+        """Candidate clocks: below the power ceiling, above the latency floor, and no more
+        than trust_clock_steps candidates beyond the clocks this level has been seen at."""
+        p = self.params
+        top = ceiling if ceiling is not None else self.device.sm_clock_max_mhz
+        floor = (
+            self._floor_mhz
+            if (self._floor_mhz is not None and now_s < self._floor_until_s)
+            else None
+        )
+        seen = self._step_model(level).seen_clocks(p.trust_min_samples)
+        if seen:
+            lo = self._move(self._snap(min(seen)), -p.trust_clock_steps)
+            hi = self._move(self._snap(max(seen)), +p.trust_clock_steps)
+        else:
+            lo, hi = self.device.sm_clock_max_mhz, self.device.sm_clock_max_mhz
+        out = [f for f in self._clocks if lo <= f <= min(hi, top) and (floor is None or f >= floor)]
+        if not out:
+            out = [min(max(floor or top, self.device.sm_clock_min_mhz), top)]
+        return out
+
+    def _track(
+        self,
+        base: Knobs,
+        allowed: tuple[str, ...],
+        workload: Workload,
+        telemetry: Telemetry,
+        now_s: float,
+        budget_w: float,
+        ceiling: int | None,
+    ) -> _Choice:
+        p = self.params
+        temp = telemetry.gpu_temp_c
+        level = base.quant_level or self.engine.full_precision_level
+        clock_now = base.sm_clock_mhz or self.device.sm_clock_max_mhz
+        knobs = base
+        code, notes = Reason.STEADY, []
+
+        # Slowest timescale: the quantization level.
+        switched = self._quant_step(base, allowed, workload, temp, now_s, budget_w, ceiling)
+        if switched is not None:
+            return switched
+
+        # Batch caps, every batch_period_s.
+        if now_s - self._last_batch_s >= p.batch_period_s:
+            self._last_batch_s = now_s
+            seqs, tokens = self._choose_caps(level, clock_now, workload, knobs, now_s)
+            if (seqs, tokens) != (knobs.max_num_seqs, knobs.max_num_batched_tokens):
+                notes.append(
+                    f"caps {knobs.max_num_seqs}/{knobs.max_num_batched_tokens} -> {seqs}/{tokens}"
+                )
+                knobs = knobs.with_changes(max_num_seqs=seqs, max_num_batched_tokens=tokens)
+                code = Reason.OPTIMIZE
+
+        # Fastest timescale: the clock.
+        clocks = self._clock_range(level, now_s, ceiling)
+        preds = [
+            self._predict(
+                level, f, knobs.max_num_seqs, knobs.max_num_batched_tokens, workload, temp
+            )
+            for f in clocks
+        ]
+        now_pred = self._predict(
+            level, clock_now, knobs.max_num_seqs, knobs.max_num_batched_tokens, workload, temp
+        )
+        dt = now_s - self._pred_at_s if self._pred_at_s is not None else 0.0
+        self._pred_at_s = now_s
+        if math.isfinite(now_pred.mean_ttft_ms) and math.isfinite(now_pred.mean_tpot_ms):
+            self._pred_ttft_ms.add(now_pred.mean_ttft_ms, dt)
+            self._pred_tpot_ms.add(now_pred.mean_tpot_ms, dt)
+        # Hysteresis band: a lower clock must meet the SLOs with a tighter margin than the
+        # one that keeps the current clock, so noise near the edge cannot flip between them.
+        feasible = [
+            pr
+            for pr in preds
+            if self._feasible(
+                pr, budget_w, p.descend_margin if pr.sm_clock_mhz < clock_now else 1.0
+            )
+        ]
+        if feasible:
+            best = min(feasible, key=lambda pr: (self._score(pr), -pr.sm_clock_mhz))
+            state = ControllerState.TRACKING
+        else:
+            # Nothing meets everything: keep inside the power budget, then the most headroom.
+            in_budget = [pr for pr in preds if self._within_budget(pr, budget_w)]
+            if not in_budget:
+                # The budget wins over model trust: look below the trusted clocks too.
+                lower = [
+                    self._predict(
+                        level, f, knobs.max_num_seqs, knobs.max_num_batched_tokens, workload, temp
+                    )
+                    for f in self._clocks
+                    if f < clocks[0] and (ceiling is None or f <= ceiling)
+                ]
+                in_budget = [pr for pr in lower if self._within_budget(pr, budget_w)]
+                in_budget = in_budget or (lower[:1] if lower else preds[:1])
+            best = max(in_budget, key=lambda pr: pr.sm_clock_mhz)
+            state = ControllerState.TRACKING
+            code = Reason.INFEASIBLE
+            notes.append("no candidate predicted to meet every target: most headroom within budget")
+        target = best.sm_clock_mhz
+        now_ok = clock_now in clocks and self._feasible(now_pred, budget_w)
+        gain = 0.0
+        if (
+            math.isfinite(now_pred.j_per_token)
+            and math.isfinite(best.j_per_token)
+            and now_pred.j_per_token > 0
+        ):
+            gain = 100.0 * (1.0 - best.j_per_token / now_pred.j_per_token)
+        may_change = now_s - self._last_clock_change_s >= p.clock_min_interval_s
+        # Fast up, slow down: after any move up, no move down for descend_hold_s.
+        may_descend = may_change and now_s - self._last_clock_up_s >= p.descend_hold_s
+        if now_ok:
+            self._infeasible_since_s = None
+        if feasible and now_ok:
+            move = (may_descend if target < clock_now else may_change) and (
+                gain >= p.clock_gain_min_pct
+            )
+            why = f"{gain:.1f}% less J/token"
+        elif feasible:
+            # The current clock is predicted to miss: move once that prediction has held
+            # for clock_min_interval_s (one noisy estimate is not a miss; a real one is
+            # the guards' to catch at once), or at once when it is over the budget.
+            if self._infeasible_since_s is None:
+                self._infeasible_since_s = now_s
+            held = now_s - self._infeasible_since_s >= p.clock_min_interval_s
+            move = held or not self._within_budget(now_pred, budget_w)
+            why = "restore feasibility"
+        else:
+            # Nothing is predicted to meet everything: move towards the most headroom at
+            # once when that is up, otherwise no faster than the clock timescale.
+            # ... but at once, down too, when the current clock is predicted over budget.
+            over = not self._within_budget(now_pred, budget_w)
+            move = target > clock_now or may_descend or (over and target < clock_now)
+            why = "most headroom within the budget"
+        self._feasible_since_s = (
+            (self._feasible_since_s or now_s) if feasible and (now_ok or move) else None
+        )
+        if target != clock_now and move:
+            notes.append(f"clock {clock_now} -> {target} MHz ({why})")
+            knobs = knobs.with_changes(sm_clock_mhz=target)
+            if code is Reason.STEADY:
+                code = Reason.OPTIMIZE
+            chosen = best
+        else:
+            chosen = now_pred
+        reason = "; ".join(notes) if notes else "steady: current configuration within margins"
+        return _Choice(state, knobs, code, f"{reason} [{chosen.describe()}]", chosen)
+
+    def _choose_caps(
+        self, level: str, clock: int, workload: Workload, knobs: Knobs, now_s: float
+    ) -> tuple[int, int]:
+        """max_num_seqs: the most sequences whose decode step still meets the TPOT SLO by
+        the model's mean at the top clock (so a burst queues instead of slowing everyone
+        past it), never below twice the batch the load needs. max_num_batched_tokens: the
+        largest power-of-two fraction of the configured chunk whose step stays within
+        chunk_step_slo_factor x the TPOT SLO (a bigger chunk shortens TTFT)."""
+        p = self.params
+        e = self.engine
+        # At the top clock: a guard can raise the clock to serve a burst, so the caps must
+        # not shrink just because the optimizer (or the budget) holds a low clock now.
+        co = self._step_model(level).coefficients(self.device.sm_clock_max_mhz)
+        slo_s = self._policy.tpot_slo_ms / 1000.0
+        ctx = workload.mean_context_tokens
+        seqs = 1
+        for n in range(1, e.max_num_seqs_max + 1):
+            if co.step_s(0, n, n * ctx) > slo_s:
+                break
+            seqs = n
+        # Never below twice the batch the load needs at the clock in force (a cap under it
+        # queues requests for nothing).
+        here = self._predict(
+            level, clock, e.max_num_seqs_max, knobs.max_num_batched_tokens, workload, None
+        )
+        batch = here.decode_batch if here.stable else e.max_num_seqs_max
+        seqs = min(e.max_num_seqs_max, max(seqs, math.ceil(2 * batch), 1))
+        if abs(seqs - knobs.max_num_seqs) < max(2, 0.25 * knobs.max_num_seqs):
+            seqs = knobs.max_num_seqs  # small changes are not worth a knob change
+        # The largest chunk whose step (with that batch) stays within chunk_step_slo_factor
+        # x the TPOT SLO at the top clock: a prefill chunk stalls every decode for a step.
+        tokens = e.max_num_batched_tokens_max
+        n = min(seqs, max(1, math.ceil(batch)))
+        while tokens > e.max_num_batched_tokens_min:
+            if co.step_s(tokens, n, n * ctx) <= p.chunk_step_slo_factor * slo_s:
+                break
+            tokens = max(e.max_num_batched_tokens_min, tokens // 2)
+        if tokens != knobs.max_num_batched_tokens and now_s - self._last_guard_s < p.guard_hold_s:
+            tokens = knobs.max_num_batched_tokens  # not while a guard is holding
+        return seqs, tokens
+
+    def _best_allowed_level(self, allowed: tuple[str, ...], current: str) -> str:
+        if self.engine.full_precision_level in allowed:
+            return self.engine.full_precision_level
+        return allowed[0] if allowed else current
+
+    def _quant_step(
+        self,
+        base: Knobs,
+        allowed: tuple[str, ...],
+        workload: Workload,
+        temp: float | None,
+        now_s: float,
+        budget_w: float,
+        ceiling: int | None,
+    ) -> _Choice | None:
+        """The slowest timescale. A known level replaces the current one after
+        quant_dwell_s for a quant_gain_min_pct predicted gain, compared only at clocks each
+        level was seen at (no extrapolation across levels). A level never run is tried for
+        quant_explore_dwell_s when the load is calm, and kept only if then predicted
+        better. When the current level cannot meet the targets at any trusted clock, both
+        happen after quant_explore_dwell_s and without the gain threshold."""
+        p = self.params
+        level = base.quant_level or self.engine.full_precision_level
+        if self._last_quant_switch_s is None:
+            self._last_quant_switch_s = now_s  # the dwell starts with the first tracking
+            return None
+        since = now_s - self._last_quant_switch_s
+
+        def best_for(lv: str, compare: bool) -> Prediction | None:
+            # Levels are compared over the clocks either has been trusted at: a level tried
+            # only briefly (near the top clock) starts from the clock sensitivity learned
+            # for the other one (StepTimeModel.as_prior), so it is judged where the other
+            # already runs, not only where it was tried.
+            clocks = self._clock_range(lv, now_s, ceiling)
+            if compare:
+                clocks = sorted(set(clocks) | set(self._clock_range(level, now_s, ceiling)))
+            preds = [
+                self._predict(lv, f, base.max_num_seqs, base.max_num_batched_tokens, workload, temp)
+                for f in clocks
+            ]
+            ok = [pr for pr in preds if self._feasible(pr, budget_w)]
+            return min(ok, key=self._score) if ok else None
+
+        def switch(to: Prediction, why: str) -> _Choice:
+            self._last_quant_switch_s = now_s
+            self._quant_left_s[level] = now_s
+            return _Choice(
+                ControllerState.TRACKING,
+                base.with_changes(quant_level=to.quant_level, sm_clock_mhz=to.sm_clock_mhz),
+                Reason.QUANT_SWITCH,
+                f"quantization {level} -> {to.quant_level}: {why} [{to.describe()}]",
+                to,
+            )
+
+        if self._exploring is not None:
+            tried, before = self._exploring
+            learned = self._step_model(tried).samples >= p.learning_min_steps
+            if since < p.quant_explore_dwell_s or not learned:
+                return None
+            # The trial is over: keep the level tried only if it is predicted better.
+            self._exploring = None
+            self._last_quant_switch_s = now_s
+            mine, theirs = best_for(tried, True), best_for(before, True)
+            if theirs is not None and (mine is None or self._score(theirs) <= self._score(mine)):
+                return switch(theirs, f"the trial of {tried} predicts no gain")
+            return None
+        if workload.output_tokens_per_s <= 0 or len(allowed) < 2:
+            return None
+        current = best_for(level, False)
+        if current is not None:
+            self._stuck_since_s = None
+        elif self._stuck_since_s is None:
+            self._stuck_since_s = now_s
+        # Stuck: no trusted clock of this level has met the targets for quant_stuck_s.
+        stuck = self._stuck_since_s is not None and now_s - self._stuck_since_s >= p.quant_stuck_s
+        if since >= (p.quant_explore_dwell_s if stuck else p.quant_dwell_s):
+            known = [
+                best_for(lv, True)
+                for lv in allowed
+                if lv != level
+                and lv in self._step_models
+                and self._step_models[lv].samples >= p.learning_min_steps
+            ]
+            known = [pr for pr in known if pr is not None]
+            if not known and stuck:
+                # Nothing is predicted to meet the targets: the level with the most latency
+                # headroom at the highest clock the budget allows, if clearly ahead.
+                top = ceiling if ceiling is not None else self.device.sm_clock_max_mhz
+                top = min(top, self._safe_clock(budget_w, temp))
+
+                def headroom(lv: str) -> Prediction:
+                    return self._predict(
+                        lv, top, base.max_num_seqs, base.max_num_batched_tokens, workload, temp
+                    )
+
+                def load(pr: Prediction) -> float:
+                    if not pr.stable:
+                        return math.inf
+                    pol = self._policy
+                    return max(pr.ttft_ms / pol.ttft_slo_ms, pr.tpot_ms / pol.tpot_slo_ms)
+
+                others = [
+                    headroom(lv)
+                    for lv in allowed
+                    if lv != level
+                    and lv in self._step_models
+                    and self._step_models[lv].samples >= p.learning_min_steps
+                ]
+                if others:
+                    ahead = min(others, key=load)
+                    if load(ahead) < 0.9 * load(headroom(level)):
+                        return switch(
+                            ahead,
+                            f"no level meets the targets; {ahead.quant_level} has the most "
+                            "headroom at the top clock",
+                        )
+            if known:
+                best = min(known, key=self._score)
+                cur = self._score(current) if current is not None else math.inf
+                if stuck:
+                    return switch(best, f"{level} cannot meet the targets at any trusted clock")
+                if current is None:
+                    return None  # a transient miss is the guards' business, not a reason
+                # Going back to a level left recently needs twice the gain (no flip-flop).
+                left_s = now_s - self._quant_left_s.get(best.quant_level, -math.inf)
+                need = p.quant_gain_min_pct * (2.0 if left_s < 3 * p.quant_dwell_s else 1.0)
+                if self._score(best) < cur * (1.0 - need / 100.0):
+                    gain = (1 - self._score(best) / cur) * 100
+                    return switch(best, f"predicted {gain:.0f}% better after a {since:.0f} s dwell")
+        # Levels never run have no model of their own: try each once.
+        unexplored = [
+            lv
+            for lv in allowed
+            if lv != level and lv not in self._explored and lv not in self._step_models
+        ]
+        steady_s = now_s - self._feasible_since_s if self._feasible_since_s is not None else 0.0
+        calm = now_s - self._last_guard_s >= p.guard_hold_s and steady_s >= 5.0
+        if unexplored and since >= p.quant_explore_dwell_s and (calm or stuck):
+            # Fastest measured first, then the lightest weights.
+            def hint(lv: str) -> tuple[float, int]:
+                opt = self._levels.get(lv)
+                speed = opt.decode_tok_s if opt is not None and opt.decode_tok_s else 0.0
+                return (-speed, opt.weight_bytes if opt is not None else 0)
+
+            order = sorted(unexplored, key=hint)
+            target = order[0]
+            self._explored.add(target)
+            self._exploring = (target, level)
+            self._exploring_stuck = stuck
+            self._quant_left_s[level] = now_s
+            self._last_quant_switch_s = now_s
+            return _Choice(
+                ControllerState.TRACKING,
+                base.with_changes(quant_level=target),
+                Reason.QUANT_EXPLORE,
+                f"quantization {level} -> {target}: never measured here; trying it for "
+                f"{p.quant_explore_dwell_s:g} s (latency guards stay armed)"
+                + ("; the current level cannot meet the targets" if stuck else ""),
+            )
+        return None
+
+    # ---- constraints and bookkeeping ----------------------------------------
+
+    def _snap(self, mhz: float) -> int:
+        """The highest candidate clock at or below mhz (the lowest candidate at least)."""
+        i = bisect.bisect_right(self._clocks, mhz) - 1
+        return self._clocks[max(i, 0)]
+
+    def _move(self, mhz: int, steps: int) -> int:
+        i = bisect.bisect_left(self._clocks, mhz)
+        i = min(max(i + steps, 0), len(self._clocks) - 1)
+        return self._clocks[i]
+
+    def _clamp_power(self, watts: float) -> float:
+        d = self.device
+        if d.power_limit_min_w is not None:
+            watts = max(watts, d.power_limit_min_w)
+        if d.power_limit_max_w is not None:
+            watts = min(watts, d.power_limit_max_w)
+        return round(watts, 1)
+
+    def _clamp(self, knobs: Knobs) -> Knobs:
+        """Never command outside the device's and the engine's constraints."""
+        e, d = self.engine, self.device
+        seqs = min(max(knobs.max_num_seqs, 1), e.max_num_seqs_max)
+        tokens = min(
+            max(knobs.max_num_batched_tokens, e.max_num_batched_tokens_min),
+            e.max_num_batched_tokens_max,
+        )
+        level = knobs.quant_level
+        if level is not None and level not in {o.level for o in e.quant_options}:
+            level = None
+        clock = knobs.sm_clock_mhz
+        if clock is not None:
+            ladder = d.sm_clock_ladder_mhz
+            i = bisect.bisect_right(ladder, clock) - 1
+            clock = ladder[max(i, 0)] if d.can_lock_clocks else None
+        limit = knobs.power_limit_w
+        if limit is not None:
+            limit = self._clamp_power(limit) if d.can_set_power_limit else None
+        return Knobs(seqs, tokens, level, clock, limit)
+
+    def _finish(
+        self, choice: _Choice, now_s: float, budget_w: float, telemetry: Telemetry | None
+    ) -> Decision:
+        knobs = self._clamp(choice.knobs)
+        if not self.device.can_lock_clocks and self.device.can_set_power_limit:
+            knobs = self._clock_as_power_limit(choice.knobs, knobs, budget_w, telemetry)
+        previous = self._last.knobs if self._last is not None else None
+        changed = knobs.changed_fields(previous) if previous is not None else ()
+        if previous is not None and knobs.quant_level != previous.quant_level:
+            # Another level: its latencies are not this one's; start the calibration afresh.
+            self._ttft_ratio.clear()
+            self._tpot_ratio.clear()
+            self._pred_ttft_ms.value = self._pred_tpot_ms.value = None
+        if previous is not None and knobs.sm_clock_mhz != previous.sm_clock_mhz:
+            self._last_clock_change_s = now_s
+            if (knobs.sm_clock_mhz or 0) > (previous.sm_clock_mhz or 0):
+                self._last_clock_up_s = now_s
+        if choice.state != self.state:
+            key = f"{self.state.value}->{choice.state.value}"
+            self.counters.transitions[key] = self.counters.transitions.get(key, 0) + 1
+            self.state = choice.state
+        self.counters.decisions[choice.code.value] += 1
+        for name in changed:
+            self.counters.knob_changes[name] = self.counters.knob_changes.get(name, 0) + 1
+        self._knobs = knobs
+        if choice.state not in (ControllerState.HOLD, ControllerState.FALLBACK):
+            self._last_safe = knobs
+        self._seq += 1
+        decision = Decision(
+            at_s=now_s,
+            seq=self._seq,
+            state=choice.state,
+            mode=self._policy.mode,
+            knobs=knobs,
+            changed=changed,
+            apply=self._policy.mode != ControlMode.OBSERVE,
+            reason_code=choice.code,
+            reason=choice.reason,
+            effective_budget_w=budget_w,
+            prediction=choice.prediction,
+        )
+        self._last = decision
+        return decision
+
+    def _clock_as_power_limit(
+        self, wanted: Knobs, clamped: Knobs, budget_w: float, telemetry: Telemetry | None
+    ) -> Knobs:
+        """Where clocks cannot be locked, the chosen clock becomes a power limit: the
+        predicted peak power at that clock, never above the budget's limit."""
+        model = self._power
+        limit = self._power_limit_for(budget_w)
+        if wanted.sm_clock_mhz is not None and model.samples > 0:
+            temp = telemetry.gpu_temp_c if telemetry is not None else None
+            peak = model.predict_w(wanted.sm_clock_mhz, 0.0, 1.0, temp) * 1.05
+            limit = self._clamp_power(min(peak, limit if limit is not None else peak))
+        return clamped.with_changes(power_limit_w=limit)

@@ -1,0 +1,502 @@
+"""Online models: step latency and board power per (quantization level, SM clock), the
+offered workload, and the learned ratio between measured latency percentiles and the
+model's mean; together they predict TTFT, TPOT, power and J/token of a configuration.
+
+Step time and power are linear in parameters learned by recursive least squares (RLS)
+with exponential forgetting from the engine's real steps and the device's power readings.
+The clock enters through fixed basis functions, so one model per quantization level
+covers every clock and is exact in form for the usual roofline split (a compute-bound
+part that scales with f_max / f and a memory-bound part that does not). Which clocks each
+level has actually been seen at is kept as well: the controller only trusts predictions
+near seen clocks. This module must not import torch, read a clock or perform I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from controller.signals import StepRecord
+
+
+class RecursiveLeastSquares:
+    """y ~ theta . x, learned one sample at a time with forgetting factor `forgetting`.
+
+    The covariance's trace is bounded (max_trace), so directions the data does not excite
+    cannot wind up while old samples are forgotten.
+    """
+
+    def __init__(
+        self,
+        theta0: Sequence[float],
+        p0: float = 1.0,
+        forgetting: float = 0.995,
+        max_trace: float = 1e4,
+    ) -> None:
+        if not 0 < forgetting <= 1:
+            raise ValueError(f"forgetting must be in (0, 1], got {forgetting!r}")
+        n = len(theta0)
+        self.theta = [float(v) for v in theta0]
+        self.p = [[p0 if i == j else 0.0 for j in range(n)] for i in range(n)]
+        self.forgetting = forgetting
+        self.max_trace = max_trace
+        self.updates = 0
+
+    def predict(self, x: Sequence[float]) -> float:
+        return sum(t * v for t, v in zip(self.theta, x, strict=True))
+
+    def update(self, x: Sequence[float], y: float, weight: float = 1.0) -> float:
+        """Learn from one sample; returns the prediction error before the update."""
+        n = len(self.theta)
+        px = [sum(self.p[i][j] * x[j] for j in range(n)) for i in range(n)]
+        denom = self.forgetting / max(weight, 1e-9) + sum(x[i] * px[i] for i in range(n))
+        err = y - self.predict(x)
+        if denom <= 1e-12 or not math.isfinite(err):
+            return err
+        gain = [v / denom for v in px]
+        for i in range(n):
+            self.theta[i] += gain[i] * err
+        lam = self.forgetting
+        for i in range(n):
+            gi = gain[i]
+            row = self.p[i]
+            for j in range(n):
+                row[j] = (row[j] - gi * px[j]) / lam
+        trace = sum(self.p[i][i] for i in range(n))
+        if trace > self.max_trace:
+            scale = self.max_trace / trace
+            for row in self.p:
+                for j in range(n):
+                    row[j] *= scale
+        self.updates += 1
+        return err
+
+    def inflate(self, factor: float) -> None:
+        """Trust the current estimate less (a hardware slowdown made it stale)."""
+        for row in self.p:
+            for j in range(len(row)):
+                row[j] *= factor
+
+
+# ---- step latency -----------------------------------------------------------------------
+
+# Feature scales keep the RLS well conditioned: tokens per hundred, context per thousand.
+_PREFILL_SCALE = 100.0
+_DECODE_SCALE = 10.0
+_CONTEXT_SCALE = 1000.0
+
+
+def _step_features(
+    clock_ratio: float, prefill: float, decode: float, context: float
+) -> list[float]:
+    base = [1.0, prefill / _PREFILL_SCALE, decode / _DECODE_SCALE, context / _CONTEXT_SCALE]
+    # The slowdown terms vanish at f_max: steps there pin down the top-clock costs alone.
+    return base + [v * (clock_ratio - 1.0) for v in base]
+
+
+@dataclass(frozen=True)
+class StepCoefficients:
+    """Step time at one (level, clock) as t = base_s + per-token costs (seconds)."""
+
+    base_s: float
+    per_prefill_token_s: float
+    per_decode_token_s: float
+    per_context_token_s: float
+
+    def step_s(self, prefill: float, decode: float, context: float) -> float:
+        t = (
+            self.base_s
+            + self.per_prefill_token_s * prefill
+            + self.per_decode_token_s * decode
+            + self.per_context_token_s * context
+        )
+        return max(t, 1e-6)
+
+
+class StepTimeModel:
+    """Step duration of one quantization level as a function of the batch and the clock:
+
+        t = sum_k (a_k + b_k * (f_max / f - 1)) * x_k,  x = (1, prefill, decode, context)
+
+    a_k: the costs at the top clock; b_k: how much of them stretches as the clock drops
+    (b_k = a_k for fully compute-bound work, 0 for memory-bound). Steps at the top clock
+    teach a_k alone; b_k starts at 0 (optimistic: the controller steps down, guarded, and
+    learns it from the steps it sees there) and is kept >= 0 in predictions, so a step
+    never gets faster at a lower clock.
+    """
+
+    def __init__(self, sm_clock_max_mhz: int, forgetting: float = 0.998) -> None:
+        self.f_max = float(sm_clock_max_mhz)
+        self.rls = RecursiveLeastSquares([0.0] * 8, p0=1.0, forgetting=forgetting)
+        self.samples_by_clock: dict[int, int] = {}
+
+    def as_prior(self) -> StepTimeModel:
+        """A fresh model for another level that starts from this one's estimate but has
+        seen nothing (so the controller learns before it trusts it)."""
+        other = StepTimeModel(int(self.f_max))
+        other.rls.theta = list(self.rls.theta)
+        return other
+
+    def learn(self, step: StepRecord, clock_mhz: int) -> None:
+        ratio = self.f_max / max(clock_mhz, 1)
+        x = _step_features(ratio, step.prefill_tokens, step.decode_tokens, step.context_tokens)
+        self.rls.update(x, step.duration_s)
+        self.samples_by_clock[clock_mhz] = self.samples_by_clock.get(clock_mhz, 0) + 1
+
+    @property
+    def samples(self) -> int:
+        return self.rls.updates
+
+    def coefficients(self, clock_mhz: float) -> StepCoefficients:
+        stretch = max(self.f_max / max(clock_mhz, 1.0) - 1.0, 0.0)
+        th = self.rls.theta
+        per = [max(th[k], 0.0) + max(th[k + 4], 0.0) * stretch for k in range(4)]
+        return StepCoefficients(
+            base_s=max(per[0], 0.0),
+            per_prefill_token_s=max(per[1], 0.0) / _PREFILL_SCALE,
+            per_decode_token_s=max(per[2], 0.0) / _DECODE_SCALE,
+            per_context_token_s=max(per[3], 0.0) / _CONTEXT_SCALE,
+        )
+
+    def seen_clocks(self, min_samples: int) -> list[int]:
+        return sorted(f for f, n in self.samples_by_clock.items() if n >= min_samples)
+
+
+# ---- power ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PowerSegment:
+    """A stretch of a power-averaging window at one clock: its share of the window and the
+    shares of that stretch the GPU spent on decode-only steps and on steps with prefill."""
+
+    weight: float
+    clock_mhz: int
+    decode_busy: float
+    prefill_busy: float
+
+
+def _power_features(
+    g: float, decode_busy: float, prefill_busy: float, temp_term: float
+) -> list[float]:
+    g3 = g * g * g
+    return [
+        1.0,
+        temp_term,
+        decode_busy,
+        prefill_busy,
+        g,
+        g * decode_busy,
+        g * prefill_busy,
+        g3,
+        g3 * decode_busy,
+        g3 * prefill_busy,
+    ]
+
+
+class PowerModel:
+    """Board power of one quantization level in a window, linear in its parameters:
+
+        P / P_ref = c0 + cT (T - 50)/10 + (c_d, c_p) . busy + sum_{g in f/f_max, (f/f_max)^3}
+                    g * (e0 + e_d busy_decode + e_p busy_prefill)
+
+    busy_decode / busy_prefill: shares of the window spent in decode-only steps and in
+    steps with prefill. The prior (before any data) is a generic accelerator: idle about
+    16 % of P_ref at the top clock, decode about a third, prefill at P_ref.
+    """
+
+    def __init__(self, sm_clock_max_mhz: int, reference_w: float, forgetting: float = 0.99):
+        self.f_max = float(sm_clock_max_mhz)
+        self.reference_w = float(reference_w)
+        prior = [0.1, 0.0, 0.1, 0.1, 0.06, 0.0, 0.0, 0.0, 0.1, 0.7]
+        self.rls = RecursiveLeastSquares(prior, p0=0.05, forgetting=forgetting, max_trace=5.0)
+        self.samples_by_clock: dict[int, int] = {}
+
+    def _features(self, segments: Sequence[PowerSegment], temp_c: float | None) -> list[float]:
+        temp_term = 0.0 if temp_c is None else (temp_c - 50.0) / 10.0
+        total = [0.0] * 10
+        for seg in segments:
+            x = _power_features(
+                seg.clock_mhz / self.f_max, seg.decode_busy, seg.prefill_busy, temp_term
+            )
+            for i, v in enumerate(x):
+                total[i] += seg.weight * v
+        return total
+
+    def learn(
+        self, segments: Sequence[PowerSegment], temp_c: float | None, measured_w: float
+    ) -> None:
+        if not segments:
+            return
+        self.rls.update(self._features(segments, temp_c), measured_w / self.reference_w)
+        for seg in segments:
+            if seg.weight >= 0.5:
+                self.samples_by_clock[seg.clock_mhz] = (
+                    self.samples_by_clock.get(seg.clock_mhz, 0) + 1
+                )
+
+    @property
+    def samples(self) -> int:
+        return self.rls.updates
+
+    def predict_w(
+        self, clock_mhz: float, decode_busy: float, prefill_busy: float, temp_c: float | None
+    ) -> float:
+        seg = PowerSegment(1.0, int(clock_mhz), decode_busy, prefill_busy)
+        return max(0.0, self.rls.predict(self._features([seg], temp_c)) * self.reference_w)
+
+
+# ---- workload -----------------------------------------------------------------------------
+
+
+class Ewma:
+    """Exponentially weighted mean over time with time constant tau_s."""
+
+    def __init__(self, tau_s: float, initial: float | None = None) -> None:
+        self.tau_s = tau_s
+        self.value = initial
+
+    def add(self, value: float, dt_s: float) -> float:
+        if self.value is None:
+            self.value = value
+        else:
+            a = 1.0 - math.exp(-max(dt_s, 0.0) / self.tau_s)
+            self.value += a * (value - self.value)
+        return self.value
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The offered load, as rates (per second) and means."""
+
+    request_rate_per_s: float
+    prompt_tokens_per_s: float
+    output_tokens_per_s: float
+    mean_prompt_tokens: float
+    mean_context_tokens: float  # context each decode token reads
+    prefill_time_share: float | None = None  # share of busy time in steps with prefill
+
+    @property
+    def is_idle(self) -> bool:
+        return self.output_tokens_per_s <= 0 and self.prompt_tokens_per_s <= 0
+
+
+class WorkloadEstimator:
+    """Rates from the engine's cumulative counters, smoothed over tau_s."""
+
+    def __init__(self, tau_s: float = 8.0) -> None:
+        self._rate = Ewma(tau_s, 0.0)
+        self._prompt = Ewma(tau_s, 0.0)
+        self._output = Ewma(tau_s, 0.0)
+        self._mean_prompt = Ewma(30.0)
+        self._context = Ewma(tau_s)
+        self._prefill_share = Ewma(tau_s)
+        self._last: tuple[float, int, int, int] | None = None
+
+    def update(
+        self,
+        now_s: float,
+        requests_total: int,
+        prompt_tokens_total: int,
+        output_tokens_total: int,
+        steps: Sequence[StepRecord],
+    ) -> None:
+        if self._last is not None:
+            t0, r0, p0, o0 = self._last
+            dt = now_s - t0
+            if dt > 0:
+                dr = max(requests_total - r0, 0)
+                dp = max(prompt_tokens_total - p0, 0)
+                do = max(output_tokens_total - o0, 0)
+                self._rate.add(dr / dt, dt)
+                self._prompt.add(dp / dt, dt)
+                self._output.add(do / dt, dt)
+                if dr > 0:
+                    self._mean_prompt.add(dp / dr, dt * dr)
+        self._last = (now_s, requests_total, prompt_tokens_total, output_tokens_total)
+        decode = sum(s.decode_tokens for s in steps)
+        if decode > 0:
+            ctx = sum(s.context_tokens for s in steps) / decode
+            self._context.add(ctx, 1.0)
+        busy = sum(s.duration_s for s in steps)
+        if busy > 0:
+            share = sum(s.duration_s for s in steps if s.has_prefill) / busy
+            self._prefill_share.add(share, busy)
+
+    def current(self) -> Workload:
+        return Workload(
+            request_rate_per_s=self._rate.value or 0.0,
+            prompt_tokens_per_s=self._prompt.value or 0.0,
+            output_tokens_per_s=self._output.value or 0.0,
+            mean_prompt_tokens=self._mean_prompt.value or 128.0,
+            mean_context_tokens=self._context.value or 256.0,
+            prefill_time_share=self._prefill_share.value,
+        )
+
+
+# ---- from model means to percentiles -----------------------------------------------------
+
+
+class QuantileRatio:
+    """Ratio of measured latencies to the model's predicted mean at the time, kept for the
+    last `max_age_s` (and at most `window` requests); its percentile turns a predicted
+    mean into a predicted percentile (a conformal-style calibration of the models against
+    what users saw). The age limit lets a transient (a trial, a guard) stop counting."""
+
+    def __init__(
+        self, default: float, window: int = 200, min_samples: int = 10, max_age_s: float = 120.0
+    ) -> None:
+        self.default = default
+        self.min_samples = min_samples
+        self.max_age_s = max_age_s
+        self._ratios: deque[tuple[float, float]] = deque(maxlen=window)
+
+    def add(self, now_s: float, measured: float, predicted_mean: float) -> None:
+        if predicted_mean > 0 and math.isfinite(measured) and measured >= 0:
+            self._ratios.append((now_s, measured / predicted_mean))
+
+    def clear(self) -> None:
+        self._ratios.clear()
+
+    def __len__(self) -> int:
+        return len(self._ratios)
+
+    def ratio(self, now_s: float, percentile: float, lo: float = 1.0, hi: float = 4.0) -> float:
+        while self._ratios and now_s - self._ratios[0][0] > self.max_age_s:
+            self._ratios.popleft()
+        if len(self._ratios) < self.min_samples:
+            return self.default
+        return min(hi, max(lo, percentile_of([r for _, r in self._ratios], percentile)))
+
+
+def percentile_of(values: Sequence[float], percentile: float) -> float:
+    """The nearest-rank percentile (0 < percentile <= 100) of a non-empty sequence."""
+    ordered = sorted(values)
+    rank = max(1, math.ceil(percentile / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+# ---- predictions --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted steady state of one configuration under the current workload."""
+
+    quant_level: str
+    sm_clock_mhz: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    step_s: float  # mean step time while busy
+    decode_batch: float
+    busy_fraction: float
+    ttft_ms: float  # at the policy percentile
+    tpot_ms: float  # at the policy percentile
+    mean_ttft_ms: float
+    mean_tpot_ms: float
+    power_w: float  # mean over a second
+    peak_power_w: float  # the hungriest phase (prefill, or decode when no prefill comes)
+    j_per_token: float
+    stable: bool  # the engine keeps up with the load
+
+    def describe(self) -> str:
+        return (
+            f"{self.quant_level} @ {self.sm_clock_mhz} MHz, caps {self.max_num_seqs}/"
+            f"{self.max_num_batched_tokens}: J/token {self.j_per_token:.3g}, "
+            f"TTFT {self.ttft_ms:.0f} ms, TPOT {self.tpot_ms:.0f} ms, "
+            f"power {self.power_w:.0f} W (peak {self.peak_power_w:.0f} W)"
+        )
+
+
+def predict(
+    *,
+    level: str,
+    clock_mhz: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    workload: Workload,
+    step_model: StepTimeModel,
+    power_model: PowerModel,
+    temp_c: float | None,
+    ttft_ratio: float,
+    tpot_ratio: float,
+) -> Prediction:
+    """Steady-state prediction for continuous batching under `workload`.
+
+    Each step serves every running request one token and feeds prefill tokens, so at a
+    mean step time t the decode batch is output_rate * t and the prefill per step is
+    prompt_rate * t: t = c0 + t * (c_p * prompt_rate + (c_d + c_ctx * ctx) * out_rate),
+    i.e. t = c0 / (1 - u). u >= 1 means the engine cannot keep up. TTFT: half a step of
+    waiting plus the prompt's chunks, stretched by 1 / (1 - u) for queueing; TPOT: the
+    step time. Percentiles come from the
+    learned ratios. Power from the power model at the predicted busy shares.
+    """
+    co = step_model.coefficients(clock_mhz)
+    w = workload
+    per_decode = co.per_decode_token_s + co.per_context_token_s * w.mean_context_tokens
+    u = co.per_prefill_token_s * w.prompt_tokens_per_s + per_decode * w.output_tokens_per_s
+    stable = u < 0.95
+    t_loaded = co.base_s / max(1.0 - u, 0.05)
+    # With less than one request decoding per step, a step still decodes one token.
+    t_single = (co.base_s + per_decode) / max(
+        1.0 - co.per_prefill_token_s * w.prompt_tokens_per_s, 0.05
+    )
+    t = (
+        t_loaded
+        if w.output_tokens_per_s * t_loaded >= 1.0
+        else max(t_loaded, min(t_single, t_loaded * 2))
+    )
+    decode_batch = max(w.output_tokens_per_s * t, 1.0 if not w.is_idle else 0.0)
+    if decode_batch > max_num_seqs * 0.9:
+        stable = False
+    chunk_room = max(max_num_batched_tokens - decode_batch, 1.0)
+    chunks = max(1.0, math.ceil(w.mean_prompt_tokens / chunk_room))
+    chunk_tokens = min(w.mean_prompt_tokens, chunk_room)
+    t_chunk = co.step_s(chunk_tokens, decode_batch, decode_batch * w.mean_context_tokens)
+    # Arrivals queue behind each other's prefill: waiting grows like 1 / (1 - u).
+    mean_ttft_s = (0.5 * t + chunks * t_chunk) / max(1.0 - u, 0.05)
+    mean_tpot_s = t
+    out_per_req = w.output_tokens_per_s / w.request_rate_per_s if w.request_rate_per_s > 0 else 0
+    concurrency = w.request_rate_per_s * (mean_ttft_s + out_per_req * t)
+    busy = 1.0 - math.exp(-concurrency) if not w.is_idle else 0.0
+    if w.prefill_time_share is not None:
+        prefill_busy = busy * w.prefill_time_share  # measured: prefill is chunked unevenly
+    else:
+        prefill_busy = min(busy, w.request_rate_per_s * chunks * t_chunk)
+    decode_busy = max(busy - prefill_busy, 0.0)
+    power = power_model.predict_w(clock_mhz, decode_busy, prefill_busy, temp_c)
+    decode_phase = power_model.predict_w(clock_mhz, 1.0, 0.0, temp_c)
+    prefill_phase = power_model.predict_w(clock_mhz, 0.0, 1.0, temp_c)
+    peak = max(decode_phase, prefill_phase) if w.prompt_tokens_per_s > 0 else decode_phase
+    j_per_token = power / w.output_tokens_per_s if w.output_tokens_per_s > 0 else math.inf
+    if not stable:
+        j_per_token = math.inf
+    return Prediction(
+        quant_level=level,
+        sm_clock_mhz=clock_mhz,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        step_s=t,
+        decode_batch=decode_batch,
+        busy_fraction=busy,
+        ttft_ms=1000.0 * mean_ttft_s * ttft_ratio if stable else math.inf,
+        tpot_ms=1000.0 * mean_tpot_s * tpot_ratio if stable else math.inf,
+        mean_ttft_ms=1000.0 * mean_ttft_s,
+        mean_tpot_ms=1000.0 * mean_tpot_s,
+        power_w=power,
+        peak_power_w=peak,
+        j_per_token=j_per_token,
+        stable=stable,
+    )
+
+
+def idle_ttft_ms(
+    step_model: StepTimeModel, clock_mhz: int, prompt_tokens: float, max_num_batched_tokens: int
+) -> float:
+    """Mean TTFT of one request arriving at an idle engine at this clock."""
+    co = step_model.coefficients(clock_mhz)
+    chunks = max(1.0, math.ceil(prompt_tokens / max_num_batched_tokens))
+    per_chunk = min(prompt_tokens, max_num_batched_tokens)
+    return 1000.0 * chunks * co.step_s(per_chunk, 0.0, 0.0)

@@ -1,0 +1,183 @@
+"""Operational endpoints: /health, /ready, /v1/status, and the token-guarded /v1/control/*.
+
+/health says the process serves; /ready says it can take generation requests (model
+loaded and warmed up, not draining). /v1/status is one JSON snapshot for people and
+scripts. The control endpoints need `Authorization: Bearer <token>` compared in constant
+time; with no token configured they are disabled (403), never open. Until the controller
+exists, a PUT policy is validated and stored, and PUT knobs sets the engine's batch caps.
+This module must not make control decisions itself.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from daemon.api.errors import APIError
+from daemon.api.openai import require_engine, serving, unavailable_error
+from daemon.api.schemas import (
+    HealthResponse,
+    Knobs,
+    KnobsUpdate,
+    Policy,
+    ReadyResponse,
+    StatusResponse,
+)
+from daemon.api.state import Phase, Unavailable
+
+router = APIRouter()
+
+# Declares the bearer scheme in the OpenAPI document; the checks are ours (require_token).
+_bearer = HTTPBearer(auto_error=False, description="server.api_token / WATTSERVE_API_TOKEN")
+
+_HOW_TO_ENABLE = (
+    "control endpoints are disabled because no API token is configured; set "
+    "WATTSERVE_API_TOKEN, server.api_token or server.api_token_file and restart"
+)
+
+
+async def require_token(
+    request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> None:
+    token = serving(request).api_token
+    if token is None:
+        raise APIError(403, _HOW_TO_ENABLE, code="control_disabled")
+    challenge = {"WWW-Authenticate": "Bearer"}
+    if creds is None:
+        raise APIError(401, "missing bearer token", code="missing_token", headers=challenge)
+    if not secrets.compare_digest(creds.credentials.encode(), token.encode()):
+        raise APIError(401, "invalid bearer token", code="invalid_token", headers=challenge)
+
+
+@router.get("/health", response_model=HealthResponse, tags=["ops"])
+async def health(request: Request) -> HealthResponse:
+    return HealthResponse(phase=serving(request).phase.value)
+
+
+@router.get("/ready", response_model=ReadyResponse, tags=["ops"])
+async def ready(request: Request) -> ReadyResponse:
+    state = serving(request)
+    if state.phase is Phase.DRAINING or state.phase is Phase.STOPPED:
+        raise unavailable_error(Unavailable("draining", "the server is shutting down", 1))
+    if not state.is_ready or state.served_model_name is None:
+        raise unavailable_error(Unavailable("not_ready", f"not ready: {state.phase.value}", 5))
+    return ReadyResponse(model=state.served_model_name)
+
+
+@router.get("/v1/status", response_model=StatusResponse, tags=["ops"])
+async def status(request: Request) -> StatusResponse:
+    state = serving(request)
+    engine = state.engine
+    server = {
+        "in_flight": state.in_flight,
+        "admission_cap": state.admission_cap,
+        "max_waiting_requests": state.cfg.server.max_waiting_requests,
+        "control_enabled": state.api_token is not None,
+    }
+    engine_info = None
+    if engine is not None:
+        c = engine.counters
+        last = engine.last_step
+        engine_info = {
+            "running": engine.num_running,
+            "waiting": engine.num_waiting,
+            "max_model_len": engine.max_model_len,
+            "limits": {
+                "max_num_seqs": engine.limits.max_num_seqs,
+                "max_num_batched_tokens": engine.limits.max_num_batched_tokens,
+            },
+            "kv_cache": {
+                "used_blocks": engine.kv.num_used_blocks,
+                "total_blocks": engine.kv.num_blocks,
+                "usage_ratio": engine.kv.usage,
+            },
+            "counters": {
+                "requests_finished": dict(c.requests_finished),
+                "prompt_tokens": c.prompt_tokens,
+                "generation_tokens": c.generation_tokens,
+                "steps": c.steps,
+                "preemptions": c.preemptions,
+            },
+            "last_step": None
+            if last is None
+            else {
+                "step": last.step,
+                "duration_ms": last.duration_s * 1000.0,
+                "prefill_tokens": last.prefill_tokens,
+                "decode_tokens": last.decode_tokens,
+                "num_running": last.num_running,
+                "num_waiting": last.num_waiting,
+            },
+        }
+    return StatusResponse(
+        phase=state.phase.value,
+        model=state.served_model_name,
+        server=server,
+        engine=engine_info,
+        policy=state.policy,
+    )
+
+
+@router.get(
+    "/v1/control/policy",
+    response_model=Policy,
+    dependencies=[Depends(require_token)],
+    tags=["control"],
+)
+async def get_policy(request: Request) -> Policy:
+    return serving(request).policy
+
+
+@router.put(
+    "/v1/control/policy",
+    response_model=Policy,
+    dependencies=[Depends(require_token)],
+    tags=["control"],
+)
+async def put_policy(body: Policy, request: Request) -> Policy:
+    # Stored for the controller to act on; the controller issue gives it its effect.
+    serving(request).policy = body
+    return body
+
+
+def _knobs(request: Request) -> Knobs:
+    limits = require_engine(serving(request)).limits
+    return Knobs(
+        max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens
+    )
+
+
+@router.get(
+    "/v1/control/knobs",
+    response_model=Knobs,
+    dependencies=[Depends(require_token)],
+    tags=["control"],
+)
+async def get_knobs(request: Request) -> Knobs:
+    return _knobs(request)
+
+
+@router.put(
+    "/v1/control/knobs",
+    response_model=Knobs,
+    dependencies=[Depends(require_token)],
+    tags=["control"],
+)
+async def put_knobs(body: KnobsUpdate, request: Request) -> Knobs:
+    engine = require_engine(serving(request))
+    for name in ("quant_level", "clock_mhz"):
+        if getattr(body, name) is not None:
+            raise APIError(
+                400,
+                f"{name} cannot be set in this build: no quantized weights or device "
+                "control is attached yet",
+                param=name,
+                code="unsupported_knob",
+            )
+    engine.set_limits(
+        max_num_seqs=body.max_num_seqs, max_num_batched_tokens=body.max_num_batched_tokens
+    )
+    return _knobs(request)

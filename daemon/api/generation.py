@@ -1,0 +1,142 @@
+"""The bridge between one HTTP request and its engine sequence.
+
+The engine calls a request's sink on its own thread; the sink here hops each event onto
+the asyncio loop through a queue (loop.call_soon_threadsafe), so handlers simply await
+events. The bridge also owns the request's admission slot and its metrics: TTFT, ITL,
+TPOT and E2E are measured where the client sees them, on the API side. Closing a
+stream that has not finished aborts its sequence in the engine (client gone, drain
+timeout), which frees its KV blocks at the top of the next engine step. No tensors and
+no HTTP formatting here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from daemon.api.state import ServingState
+from daemon.engine.request import InvalidRequestError, RequestOutput, SamplingParams
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was complete."""
+
+
+class GenerationStream:
+    """One admitted request: `await next_event()` until an event has `finished` set."""
+
+    def __init__(self, state: ServingState, request_id: str, arrival_s: float) -> None:
+        self.state = state
+        self.request_id = request_id
+        self.arrival_s = arrival_s  # time.monotonic() when the HTTP request arrived
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self._loop = asyncio.get_running_loop()
+        # None in the queue means "the client went away" (see client_gone()).
+        self._queue: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
+        self._first_token_s: float | None = None
+        self._last_token_s: float | None = None
+        self._closed = False
+
+    # Runs on the engine thread: it must never raise into the engine's step.
+    def sink(self, out: RequestOutput) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
+        except RuntimeError:
+            pass  # the loop is closed: the process is exiting and nobody listens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def client_gone(self) -> None:
+        """Called on the loop when the client disconnects: wakes next_event() to raise."""
+        self._queue.put_nowait(None)
+
+    async def next_event(self) -> RequestOutput:
+        """The next engine event; raises ClientGone once client_gone() was called."""
+        out = await self._queue.get()
+        if out is None:
+            raise ClientGone
+        now = time.monotonic()
+        metrics = self.state.metrics
+        if out.token_ids:
+            if self._first_token_s is None:
+                self._first_token_s = now
+                metrics.ttft.observe(now - self.arrival_s)
+            else:
+                # One engine event per token; a gap covers however many tokens it carries.
+                gap = (now - (self._last_token_s or now)) / len(out.token_ids)
+                for _ in out.token_ids:
+                    metrics.itl.observe(gap)
+            self._last_token_s = now
+        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
+        self.completion_tokens = out.completion_tokens or self.completion_tokens
+        if out.finished:
+            self.finish_reason = out.finish_reason or "error"
+            self.error = out.error
+            self._record_finish(now)
+        return out
+
+    def _record_finish(self, now: float) -> None:
+        metrics = self.state.metrics
+        reason = self.finish_reason or "error"
+        metrics.requests.labels(reason).inc()
+        metrics.prompt_tokens.inc(self.prompt_tokens)
+        metrics.generation_tokens.inc(self.completion_tokens)
+        e2e = now - self.arrival_s
+        metrics.e2e.observe(e2e)
+        if self._first_token_s is not None and self.completion_tokens > 1:
+            metrics.tpot.observe((now - self._first_token_s) / (self.completion_tokens - 1))
+        self._release(e2e if reason in ("stop", "length") else None)
+
+    def close(self) -> None:
+        """Idempotent. If the engine has not finished the request, abort it there."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.finished:
+            return
+        engine = self.state.engine
+        if engine is not None:
+            engine.abort(self.request_id)
+        self.finish_reason = "abort"
+        # Counted now: the engine's own abort event arrives after nobody listens any more.
+        self.state.metrics.requests.labels("abort").inc()
+        self.state.metrics.prompt_tokens.inc(self.prompt_tokens)
+        self.state.metrics.generation_tokens.inc(self.completion_tokens)
+        self._release(None)
+
+    def abort(self) -> None:
+        """Ask the engine to end the request; its final event (finish_reason abort) follows."""
+        if not self.finished and self.state.engine is not None:
+            self.state.engine.abort(self.request_id)
+
+    def _release(self, e2e_s: float | None) -> None:
+        self.state.release(e2e_s)
+        self.state.live.pop(self.request_id, None)
+
+
+def start_generation(
+    state: ServingState,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    request_id: str,
+    arrival_s: float,
+) -> GenerationStream:
+    """Admit and queue one request. Raises Unavailable (no slot) or InvalidRequestError."""
+    state.admit()  # guarantees state.engine is set
+    engine = state.engine
+    stream = GenerationStream(state, request_id, arrival_s)
+    stream.prompt_tokens = len(prompt_token_ids)
+    state.live[request_id] = stream
+    try:
+        engine.add_request(prompt_token_ids, params, stream.sink, request_id=request_id)  # type: ignore[union-attr]
+    except InvalidRequestError:
+        stream._closed = True
+        stream.finish_reason = "error"
+        stream._release(None)
+        raise
+    return stream

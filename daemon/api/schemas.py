@@ -1,0 +1,419 @@
+"""HTTP bodies of the API as pydantic models: OpenAI requests/responses and control bodies.
+
+The request models are the first line of validation (types, ranges, finite numbers,
+unknown keys); they also generate the OpenAPI schema that clients and the property
+tests read, so their bounds must be the ones the handlers really enforce. Models here
+hold no behaviour beyond validation and must not touch the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+# Bounds shared with the engine's SamplingParams checks.
+_PRIORITY_MIN = -(2**31)
+_PRIORITY_MAX = 2**31 - 1
+_SEED_MAX = 2**63 - 1
+_MAX_STOP = 16
+_MAX_STOP_CHARS = 1024
+
+
+# OpenAI fields this server accepts only at the value that changes nothing: anything else
+# asks for behaviour it does not implement, so it is refused rather than ignored.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "logit_bias": ({},),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "response_format": ({"type": "text"},),
+}
+
+
+def _neutral_schema(name: str, nullable: bool = True) -> dict[str, Any]:
+    """The OpenAPI side of _NEUTRAL: the schema admits only the neutral values."""
+    values = list(_NEUTRAL[name])
+    if isinstance(values[0], (list, dict)):
+        # Containers: say "empty" through their size keywords (null stays allowed).
+        key = "maxItems" if isinstance(values[0], list) else "maxProperties"
+        return {key: 0} if not values[0] else {"enum": [*values, *([None] if nullable else [])]}
+    return {"enum": [*values, *([None] if nullable else [])]}
+
+
+def _require_neutral(value: Any, info: ValidationInfo) -> Any:
+    name = info.field_name or ""
+    allowed = _NEUTRAL[name]
+    # bool is an int: False must not pass as 0 for numeric fields and vice versa.
+    if value is None or any(type(value) is type(a) and value == a for a in allowed):
+        return value
+    if isinstance(value, float) and any(type(a) is int and value == a for a in allowed):
+        return value
+    raise ValueError(f"{name} is not supported (allowed: {', '.join(repr(a) for a in allowed)})")
+
+
+class _Body(BaseModel):
+    # Unknown keys are rejected by name: a typo ("max_token") must not pass silently.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+StopStrings = Annotated[
+    Annotated[str, Field(min_length=1, max_length=_MAX_STOP_CHARS)]
+    | Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=_MAX_STOP_CHARS)]],
+        Field(max_length=_MAX_STOP),
+    ]
+    | None,
+    Field(description="Up to 16 strings; generation ends before the first one produced."),
+]
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    """Fields shared by both generation endpoints."""
+
+    model: str | None = Field(None, description="Served model name; omitted means the one model.")
+    max_tokens: int | None = Field(None, ge=1, description="Upper bound on generated tokens.")
+    temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy; default 1.")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="0 or -1 disables top-k (extension).")
+    seed: int | None = Field(None, ge=0, le=_SEED_MAX)
+    stop: StopStrings = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, max_length=64, description="Token ids that end generation (extension)."
+    )
+    n: int = Field(
+        1,
+        ge=1,
+        description="Number of choices; only 1 is supported.",
+        json_schema_extra={"maximum": 1},  # enforced by _one_choice, with a clearer message
+    )
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+    priority: int = Field(
+        0, ge=_PRIORITY_MIN, le=_PRIORITY_MAX, description="Lower is served first (extension)."
+    )
+    ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence (extension).")
+    # OpenAI fields accepted only at their neutral value (see _NEUTRAL).
+    presence_penalty: float | None = Field(
+        None,
+        description="Not supported: must be 0.",
+        json_schema_extra=_neutral_schema("presence_penalty"),
+    )
+    frequency_penalty: float | None = Field(
+        None,
+        description="Not supported: must be 0.",
+        json_schema_extra=_neutral_schema("frequency_penalty"),
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None,
+        description="Not supported: must be empty.",
+        json_schema_extra=_neutral_schema("logit_bias"),
+    )
+    logprobs: bool | int | None = Field(
+        None,
+        description="Not supported: must be null or false.",
+        json_schema_extra=_neutral_schema("logprobs"),
+    )
+    # Accepted and ignored: bookkeeping fields that do not change the output.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = Field(None, max_length=64)
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty", "logit_bias", "logprobs")
+    @classmethod
+    def _neutral_sampling(cls, v: Any, info: ValidationInfo) -> Any:
+        return _require_neutral(v, info)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def stop_tuple(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
+    ) = Field(..., description="Text or token ids; one prompt per request.")
+    echo: bool = Field(
+        False,
+        description="Not supported: must be false.",
+        json_schema_extra=_neutral_schema("echo", nullable=False),
+    )
+    best_of: int | None = Field(
+        None, description="Not supported: must be 1.", json_schema_extra=_neutral_schema("best_of")
+    )
+    suffix: str | None = Field(
+        None,
+        description="Not supported: must be empty.",
+        json_schema_extra=_neutral_schema("suffix"),
+    )
+
+    @field_validator("echo", "best_of", "suffix")
+    @classmethod
+    def _neutral_completion(cls, v: Any, info: ValidationInfo) -> Any:
+        return _require_neutral(v, info)
+
+    def prompt_input(self) -> str | list[int]:
+        """The one prompt as text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        first = p[0]
+        if isinstance(first, (str, list)):
+            return first  # type: ignore[return-value]
+        return p  # type: ignore[return-value]
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
+    name: str | None = Field(None, max_length=256)
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None:
+            raise ValueError("content is required")
+        return self
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=4096)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    top_logprobs: int | None = Field(
+        None,
+        description="Not supported: must be 0.",
+        json_schema_extra=_neutral_schema("top_logprobs"),
+    )
+    tools: list[dict[str, Any]] | None = Field(
+        None,
+        description="Not supported: must be empty.",
+        json_schema_extra=_neutral_schema("tools"),
+    )
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="Only 'none'.", json_schema_extra=_neutral_schema("tool_choice")
+    )
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = Field(
+        None,
+        description="Only {'type': 'text'}.",
+        json_schema_extra=_neutral_schema("response_format"),
+    )
+
+    @field_validator("top_logprobs", "tools", "tool_choice", "response_format")
+    @classmethod
+    def _neutral_chat(cls, v: Any, info: ValidationInfo) -> Any:
+        return _require_neutral(v, info)
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+# ---- responses ---------------------------------------------------------------------
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None
+
+
+class CompletionChunk(BaseModel):
+    """One server-sent event of a streamed completion (`usage` only with include_usage)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion (`usage` only with include_usage)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "wattserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---- operational and control bodies -------------------------------------------------
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+    phase: str
+
+
+class ReadyResponse(BaseModel):
+    status: Literal["ready"] = "ready"
+    model: str
+
+
+class Policy(_Body):
+    """What the controller aims for; validated and stored until the controller acts on it."""
+
+    power_budget_w: float = Field(..., gt=0, le=100_000)
+    ttft_slo_ms: float = Field(..., gt=0, le=3_600_000)
+    tpot_slo_ms: float = Field(..., gt=0, le=3_600_000)
+    mode: Literal["auto", "manual", "observe"]
+
+
+class KnobsUpdate(_Body):
+    """Manual knob settings; omitted or null fields keep their value."""
+
+    max_num_seqs: int | None = Field(None, ge=1, le=65_536, description="Batch cap, sequences.")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, le=1 << 20, description="Token budget of one engine step."
+    )
+    quant_level: str | None = Field(
+        None, max_length=32, description="Weight quantization level (not available yet)."
+    )
+    clock_mhz: int | None = Field(
+        None, ge=1, le=10_000, description="SM clock lock (not available yet)."
+    )
+
+
+class Knobs(BaseModel):
+    """The knob values in force."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+class StatusResponse(BaseModel):
+    """One snapshot for people and scripts; sections absent in this build are null."""
+
+    phase: str
+    model: str | None
+    server: dict[str, Any]
+    engine: dict[str, Any] | None
+    policy: Policy
+    device: dict[str, Any] | None = None
+    controller: dict[str, Any] | None = None

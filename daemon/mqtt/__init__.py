@@ -1,0 +1,42 @@
+"""MQTT telemetry feed and remote policy (docs/mqtt.md): the link, its payloads, its window.
+
+The daemon builds one MqttLink, starts it on its event loop and feeds it write-only
+snapshots; nothing reads serving state back from it.
+"""
+
+from daemon.mqtt.link import Backoff, LinkStats, MqttLink, PolicyHandler, TelemetrySource
+from daemon.mqtt.payloads import (
+    DeviceFigures,
+    DeviceSummary,
+    EventKind,
+    EventPayload,
+    KnobFigures,
+    LatencyFigures,
+    ServingFigures,
+    StatusPayload,
+    TelemetryPayload,
+    Topics,
+    policy_fields,
+)
+from daemon.mqtt.window import TelemetryWindow, WindowFigures
+
+__all__ = [
+    "Backoff",
+    "DeviceFigures",
+    "DeviceSummary",
+    "EventKind",
+    "EventPayload",
+    "KnobFigures",
+    "LatencyFigures",
+    "LinkStats",
+    "MqttLink",
+    "PolicyHandler",
+    "ServingFigures",
+    "StatusPayload",
+    "TelemetryPayload",
+    "TelemetrySource",
+    "TelemetryWindow",
+    "Topics",
+    "WindowFigures",
+    "policy_fields",
+]

@@ -1,0 +1,291 @@
+"""The serving process: bind, load the model, warm up, serve, drain on SIGTERM, exit 0.
+
+Order of a life: the socket is bound and uvicorn serves at once (/health 200, /ready and
+generation 503 "not_ready"); the model loads on a helper thread and the engine starts
+its loop thread; one short warm-up generation must succeed before /ready turns 200. On
+the first SIGTERM or SIGINT, /ready and new requests get 503 at once, in-flight requests
+get `drain_timeout_s` to finish and are then aborted (their answers end with
+finish_reason "abort"); uvicorn and the engine thread are stopped and the process exits
+0 with no threads left behind. A second signal exits at once. Signal handling is ours,
+not uvicorn's, because uvicorn would close the listening socket immediately and
+refuse new connections instead of answering them 503.
+This module wires parts together; it must not hold API or engine logic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Generator
+
+import uvicorn
+
+from daemon.api.app import create_app
+from daemon.api.state import Phase, ServingState, resolve_api_token
+from daemon.config import Config, default_cache_dir
+from daemon.engine.engine import Engine, EngineOptions
+from daemon.engine.loader import LoadError, load_model
+from daemon.engine.request import SamplingParams
+
+log = logging.getLogger("wattserve.server")
+
+WARMUP_PROMPT = "Hello"
+# After the drain deadline aborts what is left, how long its final answers get to flush.
+_ABORT_FLUSH_S = 5.0
+_POLL_S = 0.05
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers (the Daemon installs and interprets them)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A bound, not yet listening TCP socket; port 0 picks a free port."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class Daemon:
+    """One serving process. `await run()` returns the exit code."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        build_engine: Callable[[], Engine] | None = None,
+        environ: dict[str, str] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.state = ServingState(cfg, resolve_api_token(cfg, environ))
+        self._build_engine = build_engine or self._load_and_build
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._shutdown: asyncio.Event | None = None
+        self._signals = 0
+        self.address: tuple[str, int] | None = None
+        # For callers on other threads (tests): set once ready, or once run() gave up.
+        self.ready = threading.Event()
+        self.stopped = threading.Event()
+
+    # ---- engine construction (runs on a helper thread) ---------------------------------
+    def _load_and_build(self) -> Engine:
+        e = self.cfg.engine
+        loaded = load_model(e.model, e.cache_dir or default_cache_dir(), e.dtype)
+        return Engine(loaded, EngineOptions.from_config(e))
+
+    # ---- shutdown requests -----------------------------------------------------------------
+    def request_shutdown(self) -> None:
+        """Begin the drain, as SIGTERM does; callable from any thread."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._begin_shutdown, "shutdown requested")
+
+    def _on_signal(self, signum: int) -> None:
+        self._signals += 1
+        name = signal.Signals(signum).name
+        if self._signals > 1:
+            log.warning("second signal (%s): exiting at once", name)
+            sys.stderr.flush()
+            os._exit(128 + signum)
+        self._begin_shutdown(f"{name} received")
+
+    def _begin_shutdown(self, why: str) -> None:
+        if self._shutdown is None or self._shutdown.is_set():
+            return
+        # Refuse new work right here, before any await: /ready and new requests get 503 now.
+        self.state.phase = Phase.DRAINING
+        self.state.drain_deadline_s = time.monotonic() + self.cfg.server.drain_timeout_s
+        log.info(
+            "%s: draining %d in-flight request(s) for up to %.0f s (signal again to exit now)",
+            why,
+            self.state.in_flight,
+            self.cfg.server.drain_timeout_s,
+        )
+        self._shutdown.set()
+
+    # ---- the life ----------------------------------------------------------------------------
+    async def run(self, sock: socket.socket | None = None, install_signals: bool = True) -> int:
+        self._loop = asyncio.get_running_loop()
+        self._shutdown = asyncio.Event()
+        server_cfg = self.cfg.server
+        sock = sock or bind_socket(server_cfg.host, server_cfg.port)
+        self.address = sock.getsockname()[:2]
+        app = create_app(self.state, bound_host=server_cfg.host)
+        uv_config = uvicorn.Config(
+            app,
+            log_config=None,
+            log_level=server_cfg.log_level,
+            access_log=server_cfg.log_level == "debug",
+            lifespan="off",
+            timeout_graceful_shutdown=int(_ABORT_FLUSH_S),
+            server_header=False,
+        )
+        server = _Server(uv_config)
+        serve_task = asyncio.create_task(server.serve(sockets=[sock]))
+        if install_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._loop.add_signal_handler(sig, self._on_signal, sig)
+        code = 1
+        try:
+            while not server.started and not serve_task.done():
+                await asyncio.sleep(0.01)
+            if serve_task.done():
+                serve_task.result()  # uvicorn failed to start: raise its error
+                return 1
+            host, port = self.address
+            log.info("wattserve listening on http://%s:%d", _url_host(host), port)
+            code = await self._bring_up()
+            if code is None:
+                await self._shutdown.wait()
+                await self._drain()
+                code = 0
+            return code
+        finally:
+            self.state.phase = Phase.DRAINING  # whatever arrives while uvicorn stops gets 503
+            server.should_exit = True
+            with contextlib.suppress(Exception):
+                await serve_task
+            if install_signals:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    self._loop.remove_signal_handler(sig)
+            engine = self.state.engine
+            if engine is not None:
+                engine.stop(abort_pending=True)
+            self.state.phase = Phase.STOPPED
+            self.ready.set()
+            self.stopped.set()
+            log.info("stopped")
+
+    async def _bring_up(self) -> int | None:
+        """Load, start and warm up the engine; None on success, else the exit code."""
+        assert self._shutdown is not None
+        built: asyncio.Future[Engine] = self._loop.create_future()  # type: ignore[union-attr]
+
+        def build() -> None:
+            try:
+                engine = self._build_engine()
+            except BaseException as e:  # noqa: BLE001 - handed to the loop, reported there
+                self._deliver(built, None, e)
+            else:
+                self._deliver(built, engine, None)
+
+        # A daemon thread: a SIGTERM during a long first conversion must not wait for it
+        # (the loader writes its cache atomically, so abandoning it is safe).
+        threading.Thread(target=build, name="wattserve-load", daemon=True).start()
+        engine = await self._until_shutdown(built)
+        if engine is None:
+            log.info("shutdown before the model finished loading")
+            return 0
+        if isinstance(engine, BaseException):
+            if isinstance(engine, (LoadError, ValueError)):
+                log.error("cannot serve: %s", engine)
+            else:
+                log.error("cannot serve: %s", engine, exc_info=engine)
+            return 1
+        engine.add_step_hook(self.state.metrics.on_step)
+        engine.start()
+        self.state.engine = engine
+        self.state.phase = Phase.WARMING
+        outcome = await self._until_shutdown(self._warm_up(engine))
+        if outcome is None:
+            return 0
+        if outcome != "ok":
+            log.error("cannot serve: warm-up generation failed (%s)", outcome)
+            return 1
+        self.state.phase = Phase.READY
+        log.info(
+            "ready: model %s, context %d tokens, batch cap %d",
+            self.state.served_model_name,
+            engine.max_model_len,
+            engine.limits.max_num_seqs,
+        )
+        self.ready.set()
+        return None
+
+    def _deliver(self, fut: asyncio.Future, value: object, error: BaseException | None) -> None:
+        def settle() -> None:
+            if not fut.done():
+                fut.set_result(error if error is not None else value)
+
+        with contextlib.suppress(RuntimeError):  # loop closed: nobody is waiting
+            self._loop.call_soon_threadsafe(settle)  # type: ignore[union-attr]
+
+    async def _warm_up(self, engine: Engine) -> str:
+        done: asyncio.Future[str] = self._loop.create_future()  # type: ignore[union-attr]
+
+        def sink(out) -> None:  # engine thread
+            if out.finished:
+                result = (
+                    "ok"
+                    if out.finish_reason in ("stop", "length")
+                    else (out.error or out.finish_reason or "error")
+                )
+                self._deliver(done, result, None)
+
+        ids = engine.tokenize(WARMUP_PROMPT) or [next(iter(engine.eos_token_ids), 0)]
+        engine.add_request(ids, SamplingParams(max_tokens=2, temperature=0.0), sink, "warmup")
+        return await done
+
+    async def _until_shutdown(self, aw):
+        """Await `aw` unless shutdown comes first (then None)."""
+        assert self._shutdown is not None
+        task = asyncio.ensure_future(aw)
+        stop = asyncio.ensure_future(self._shutdown.wait())
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        return None
+
+    async def _drain(self) -> None:
+        state = self.state
+        deadline = state.drain_deadline_s or time.monotonic()
+        while state.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(_POLL_S)
+        if state.in_flight > 0:
+            log.warning("drain timeout: aborting %d request(s)", state.in_flight)
+            for stream in list(state.live.values()):
+                stream.abort()
+            flush_until = time.monotonic() + _ABORT_FLUSH_S
+            while state.in_flight > 0 and time.monotonic() < flush_until:
+                await asyncio.sleep(_POLL_S)
+        log.info("drained")
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def main(cfg: Config) -> int:
+    """`wattserve serve`: run until drained; returns the process exit code."""
+    daemon = Daemon(cfg)  # raises ConfigError for a bad token setting, before binding
+    try:
+        code = asyncio.run(daemon.run())
+    except OSError as e:  # the address is taken or not ours to bind
+        log.error("cannot listen on %s:%d: %s", cfg.server.host, cfg.server.port, e.strerror or e)
+        return 1
+    leftover = [
+        t.name
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and t.is_alive() and t.name != "wattserve-load"
+    ]
+    if leftover:
+        log.warning("threads left at exit: %s", ", ".join(leftover))
+    return code

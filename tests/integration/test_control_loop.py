@@ -1,0 +1,81 @@
+"""The control loop in the running daemon's arrangement, in process: a real engine (tiny
+random Llama) on its own thread, the virtual GPU coupled to its steps, the ControlLoop on
+its own thread, requests kept in flight; the budget is changed through the same policy
+path the HTTP API and MQTT use (ControlLoop.set_policy), and the power must settle below
+it. The daemon's server wires these same pieces; this test needs no HTTP.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from daemon.config import ControllerConfig, DeviceConfig
+from daemon.control_loop import ControlLoop
+from daemon.coupling import device_step_hook
+from daemon.device import open_device
+from daemon.engine.engine import Engine, EngineOptions
+from daemon.engine.request import SamplingParams
+
+
+def _window_power_w(device, seconds: float) -> float:
+    """Mean power over the next `seconds`, from the energy counter."""
+    a = device.read()
+    time.sleep(seconds)
+    b = device.read()
+    return (b.energy_j - a.energy_j) / (b.timestamp_s - a.timestamp_s)
+
+
+def test_power_settles_below_a_budget_set_through_the_policy_path(tiny_llama, tmp_path):
+    engine = Engine(
+        tiny_llama,
+        EngineOptions(kv_cache_bytes=1 << 22, max_num_seqs=16, quantization_levels=("fp32",)),
+    )
+    device = open_device(DeviceConfig(backend="virtual", mode="control", state_dir=tmp_path))
+    engine.add_step_hook(device_step_hook(engine, device))
+    cfg = ControllerConfig(mode="auto", power_budget_w=700.0, period_s=0.1)
+    loop = ControlLoop.build(cfg, engine, device)
+    engine.add_step_hook(loop.on_step)  # after the device hook: durations include the stretch
+    decisions = []
+    loop._sinks = (decisions.append,)
+    stop = threading.Event()
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def on_output(out) -> None:
+        if out.finished and not stop.is_set():
+            engine.add_request([5, 6, 7, 8, 9, 10], params, on_output)
+
+    engine.start()
+    try:
+        for _ in range(12):
+            engine.add_request([5, 6, 7, 8, 9, 10] * 4, params, on_output)
+        time.sleep(1.0)
+        # What this load draws at the top and at the bottom of the clock ladder: the
+        # budget goes between the two, below the device's power-limit minimum, so only
+        # the controller's clock (not the hardware limit) can hold it.
+        top_w = _window_power_w(device, 1.5)
+        ladder = device.read().sm_clock_ladder_mhz
+        device.lock_sm_clocks_mhz(ladder[0], ladder[0])
+        bottom_w = _window_power_w(device, 1.5)
+        device.reset()
+        budget_w = (top_w + bottom_w) / 2
+        assert top_w - bottom_w > 10.0 and budget_w < device.read().power_limit_min_w
+        loop.start()
+        time.sleep(2.0)
+        changed_at = time.monotonic()
+        loop.set_policy(loop.controller.policy.with_changes(power_budget_w=budget_w))
+        time.sleep(3.0)  # settle
+        after = [_window_power_w(device, 1.0) for _ in range(4)]
+    finally:
+        stop.set()
+        loop.stop()
+        engine.stop()
+        device.close()
+    assert all(w <= budget_w for w in after), (top_w, bottom_w, budget_w, after)
+    before = [d for d in decisions if d.at_s < changed_at][-1]
+    first = next(d for d in decisions if d.at_s >= changed_at)
+    # The next tick decides against the new budget, and steps down (guard or prediction).
+    assert first.effective_budget_w == budget_w and first.at_s - changed_at < 1.0
+    assert first.knobs.sm_clock_mhz < (before.knobs.sm_clock_mhz or 1980)
+    assert decisions[-1].knobs.sm_clock_mhz < 1980
+    assert engine.counters.generation_tokens > 0

@@ -1,0 +1,220 @@
+"""The systemd unit, its control drop-in and install.sh, checked with systemd's own tools.
+
+install.sh runs into a temporary --root; `systemd-analyze verify` and `systemd-analyze
+security --offline=yes` then read the installed tree with --root (with this machine's
+stock units copied in, since a unit's dependencies must resolve). No live systemctl:
+the machine need not be booted with systemd. Tests that need systemd-analyze or
+shellcheck skip with a reason where the binary is absent (`make test-services` installs
+both).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from daemon.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+SYSTEMD_DIR = REPO / "systemd"
+INSTALL_SH = SYSTEMD_DIR / "install.sh"
+MAX_EXPOSURE = 3.0
+
+needs_analyze = pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None,
+    reason="systemd-analyze not installed (make test-services installs package systemd)",
+)
+
+
+def install(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(INSTALL_SH), "--root", str(root), *args],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+
+
+def tree(root: Path) -> dict[str, str]:
+    """relative path -> permission string ("d" prefix for directories)."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        kind = "d" if p.is_dir() else "-"
+        out[str(p.relative_to(root))] = kind + oct(stat.S_IMODE(p.stat().st_mode))[2:]
+    return out
+
+
+def analyzable_root(tmp_path: Path, control: bool) -> Path:
+    """An installed tree that systemd-analyze can load the unit from with --root."""
+    root = tmp_path / ("control" if control else "observe")
+    root.mkdir()
+    r = install(root, "--no-venv", *(["--control"] if control else []))
+    assert r.returncode == 0, r.stderr
+    # The stock units (sysinit.target, multi-user.target, ...) the unit depends on.
+    stock = next(p for p in (Path("/usr/lib/systemd/system"), Path("/lib/systemd/system"))
+                 if p.is_dir())
+    shutil.copytree(stock, root / "usr/lib/systemd/system", symlinks=True)
+    # verify checks that ExecStart= is executable; a launcher of this checkout's daemon.
+    exe = root / "opt/wattserve/bin/wattserve"
+    exe.parent.mkdir(parents=True)
+    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m daemon.cli "$@"\n')
+    exe.chmod(0o755)
+    return root
+
+
+def analyze(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["systemd-analyze", *args], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def exposure(root: Path) -> float:
+    r = analyze("security", "--offline=yes", f"--root={root}", "--no-pager", "wattserve.service")
+    m = re.search(r"Overall exposure level for wattserve\.service: (\d+\.\d+)", r.stdout)
+    assert m, r.stdout + r.stderr
+    return float(m.group(1))
+
+
+def flagged(root: Path) -> set[str]:
+    """The security checks that count against the unit."""
+    r = analyze("security", "--offline=yes", f"--root={root}", "--json=short",
+                "wattserve.service")
+    assert r.returncode == 0, r.stderr
+    return {e["name"] for e in json.loads(r.stdout) if e["exposure"] not in (None, "0.0")}
+
+
+@needs_analyze
+@pytest.mark.parametrize("control", [False, True], ids=["observe", "control"])
+def test_systemd_analyze_verify_is_clean(tmp_path, control) -> None:
+    root = analyzable_root(tmp_path, control)
+    r = analyze("verify", f"--root={root}", "wattserve.service")
+    # verify exits 0 on many problems (unknown keys, bad values): any output is a finding.
+    assert r.returncode == 0 and r.stdout + r.stderr == "", r.stdout + r.stderr
+
+
+@needs_analyze
+def test_verify_would_catch_a_broken_unit(tmp_path) -> None:
+    root = analyzable_root(tmp_path, control=False)
+    unit = root / "etc/systemd/system/wattserve.service"
+    unit.write_text(unit.read_text().replace("WatchdogSec=30", "WatchdogSec=thirty"))
+    r = analyze("verify", f"--root={root}", "wattserve.service")
+    assert "WatchdogSec" in r.stdout + r.stderr or "thirty" in r.stdout + r.stderr
+
+
+@needs_analyze
+def test_observe_unit_exposure_and_capabilities(tmp_path, record_property) -> None:
+    observe = analyzable_root(tmp_path, control=False)
+    control = analyzable_root(tmp_path, control=True)
+    observe_score, control_score = exposure(observe), exposure(control)
+    record_property("exposure_observe", observe_score)
+    record_property("exposure_control", control_score)
+    print(f"systemd-analyze security exposure: observe {observe_score}, control {control_score}")
+    assert observe_score <= MAX_EXPOSURE
+    observe_flags, control_flags = flagged(observe), flagged(control)
+    # Observe mode holds no capability at all, and sees other users only as nobody.
+    assert not {f for f in observe_flags if "Capabilit" in f or f == "PrivateUsers="}
+    # The drop-in adds exactly CAP_SYS_ADMIN (ambient) and the host user namespace it needs.
+    assert control_flags - observe_flags == {
+        "CapabilityBoundingSet=~CAP_SYS_ADMIN", "AmbientCapabilities=", "PrivateUsers=",
+    }
+    assert control_score > observe_score
+
+
+def test_install_tree_is_as_documented_and_idempotent(tmp_path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    r = install(root, "--no-venv")
+    assert r.returncode == 0, r.stderr
+    share = "opt/wattserve/share/wattserve/systemd"
+    files = {
+        "etc/systemd/system/wattserve.service": "-644",
+        "etc/wattserve/config.toml": "-644",
+        "etc/wattserve/api-token": "-600",
+        f"{share}/wattserve.service": "-644",
+        f"{share}/wattserve-control.conf": "-644",
+        f"{share}/config.example.toml": "-644",
+    }
+    first = tree(root)
+    assert {k: v for k, v in first.items() if v[0] == "-"} == files
+    assert (root / "etc/systemd/system/wattserve.service").read_text() == (
+        SYSTEMD_DIR / "wattserve.service"
+    ).read_text()
+    assert (root / "etc/wattserve/config.toml").read_text() == (
+        SYSTEMD_DIR / "config.example.toml"
+    ).read_text()
+    token = (root / "etc/wattserve/api-token").read_text()
+    assert re.fullmatch(r"[0-9a-f]{64}\n", token)
+
+    # Again, after the admin edited the config: same tree, config and token kept.
+    (root / "etc/wattserve/config.toml").write_text("[server]\nport = 8001\n")
+    r = install(root, "--no-venv")
+    assert r.returncode == 0, r.stderr
+    assert tree(root) == first
+    assert (root / "etc/wattserve/api-token").read_text() == token
+    assert (root / "etc/wattserve/config.toml").read_text() == "[server]\nport = 8001\n"
+
+    # --control adds the drop-in, and only that.
+    r = install(root, "--no-venv", "--control")
+    assert r.returncode == 0 and "control mode" in r.stdout, r.stderr
+    added = set(tree(root)) - set(first)
+    assert added == {
+        "etc/systemd/system/wattserve.service.d",
+        "etc/systemd/system/wattserve.service.d/control.conf",
+    }
+
+    # --uninstall keeps config, token and state; --purge removes them too.
+    (root / "var/lib/private/wattserve").mkdir(parents=True)
+    r = install(root, "--uninstall")
+    assert r.returncode == 0, r.stderr
+    left = {k for k, v in tree(root).items() if v[0] == "-"}
+    assert left == {"etc/wattserve/config.toml", "etc/wattserve/api-token"}
+    assert not (root / "opt/wattserve").exists()
+    assert not (root / "etc/systemd/system/wattserve.service.d").exists()
+    assert (root / "var/lib/private/wattserve").is_dir()
+    r = install(root, "--uninstall", "--purge")
+    assert r.returncode == 0, r.stderr
+    assert not (root / "etc/wattserve").exists()
+    assert not (root / "var/lib/private/wattserve").exists()
+
+
+def test_install_refuses_bad_arguments(tmp_path) -> None:
+    r = install(tmp_path, "--bogus")
+    assert r.returncode != 0 and "unknown argument" in r.stderr
+    r = install(tmp_path, "--purge")
+    assert r.returncode != 0 and "--uninstall" in r.stderr
+    r = subprocess.run(
+        ["bash", str(INSTALL_SH), "--root", str(tmp_path / "absent")],
+        capture_output=True, text=True, timeout=30, check=False,
+    )
+    assert r.returncode != 0
+    assert not (tmp_path / "absent").exists()
+
+
+@pytest.mark.skipif(
+    shutil.which("shellcheck") is None,
+    reason="shellcheck not installed (make test-services installs it)",
+)
+def test_install_sh_is_shellcheck_clean() -> None:
+    r = subprocess.run(
+        ["shellcheck", "--severity=style", str(INSTALL_SH)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize(
+    "args,source", [([], "wattserve.service"), (["--control"], "wattserve-control.conf")]
+)
+def test_install_service_print(args, source, capsys) -> None:
+    assert main(["install-service", "--print", *args]) == 0
+    assert capsys.readouterr().out == (SYSTEMD_DIR / source).read_text()
+
+
+def test_install_service_without_print_points_to_install_sh(capsys) -> None:
+    assert main(["install-service"]) == 2
+    assert "install.sh" in capsys.readouterr().err

@@ -1,0 +1,191 @@
+"""Unit tests of the API's pieces that need no server: bodies, errors, admission, token, Host."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from daemon.api.app import create_app
+from daemon.api.errors import validation_error_response
+from daemon.api.middleware import host_without_port
+from daemon.api.schemas import ChatCompletionRequest, CompletionRequest, KnobsUpdate, Policy
+from daemon.api.state import Phase, ServingState, Unavailable, resolve_api_token
+from daemon.config import ConfigError, load_config
+
+
+def _param_of(exc: ValidationError) -> str:
+    response = validation_error_response(RequestValidationError(exc.errors()))
+    import json
+
+    body = json.loads(response.body)
+    assert response.status_code == 400
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]["param"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "temperature": math.nan}, "temperature"),
+        ({"prompt": "x", "temperature": math.inf}, "temperature"),
+        ({"prompt": "x", "temperature": 2.5}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "seed": -1}, "seed"),
+        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "stop": ""}, "stop"),
+        ({"prompt": "x", "stop": ["a"] * 17}, "stop"),
+        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "x", "logprobs": 3}, "logprobs"),
+        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "max_token": 3}, "max_token"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": [-1]}, "prompt.0"),
+        ({}, "prompt"),
+    ],
+)
+def test_completion_body_errors_name_the_param(body: dict, param: str) -> None:
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest.model_validate(body)
+    assert _param_of(e.value) == param
+
+
+def test_completion_prompt_forms() -> None:
+    assert CompletionRequest(prompt="hi").prompt_input() == "hi"
+    assert CompletionRequest(prompt=["hi"]).prompt_input() == "hi"
+    assert CompletionRequest(prompt=[1, 2]).prompt_input() == [1, 2]
+    assert CompletionRequest(prompt=[[3, 4]]).prompt_input() == [3, 4]
+    # Neutral values of unsupported OpenAI fields pass: clients send them by default.
+    req = CompletionRequest(prompt="x", presence_penalty=0, logprobs=None, echo=False, best_of=1)
+    assert req.stop_tuple == ()
+    assert CompletionRequest(prompt="x", stop="END").stop_tuple == ("END",)
+
+
+def test_chat_body() -> None:
+    req = ChatCompletionRequest(
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            }
+        ],
+        max_completion_tokens=5,
+        max_tokens=9,
+    )
+    assert req.messages[0].text() == "ab"
+    assert (req.max_new_tokens, req.max_tokens_param) == (5, "max_completion_tokens")
+    for bad, param in [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user"}]}, "messages.0"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages.0.content.0.type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            "tools",
+        ),
+    ]:
+        with pytest.raises(ValidationError) as e:
+            ChatCompletionRequest.model_validate(bad)
+        assert _param_of(e.value) == param, bad
+
+
+def test_control_bodies() -> None:
+    Policy(power_budget_w=300, ttft_slo_ms=1000, tpot_slo_ms=100, mode="auto")
+    with pytest.raises(ValidationError):
+        Policy(power_budget_w=-1, ttft_slo_ms=1000, tpot_slo_ms=100, mode="auto")
+    with pytest.raises(ValidationError):
+        Policy(power_budget_w=math.inf, ttft_slo_ms=1000, tpot_slo_ms=100, mode="auto")
+    with pytest.raises(ValidationError):
+        Policy(power_budget_w=300, ttft_slo_ms=1000, tpot_slo_ms=100, mode="turbo")
+    with pytest.raises(ValidationError):
+        KnobsUpdate(max_num_seqs=0)
+
+
+class _FakeLimits:
+    max_num_seqs = 2
+
+
+class _FakeEngine:
+    limits = _FakeLimits()
+
+
+def test_admission_states() -> None:
+    cfg = load_config(None, {"server": {"max_waiting_requests": 1}})
+    state = ServingState(cfg, api_token=None)
+    with pytest.raises(Unavailable) as e:
+        state.admit()
+    assert e.value.reason == "not_ready"
+    state.engine = _FakeEngine()  # type: ignore[assignment]
+    state.phase = Phase.READY
+    for _ in range(3):  # running cap 2 + 1 waiting
+        state.admit()
+    with pytest.raises(Unavailable) as e:
+        state.admit()
+    assert e.value.reason == "overloaded" and e.value.retry_after_s >= 1
+    state.release(e2e_s=7.2)
+    state.admit()  # the freed slot is taken again: full once more
+    with pytest.raises(Unavailable) as e:
+        state.admit()
+    assert e.value.retry_after_s == 8  # about one mean request latency (7.2 s), rounded up
+    state.phase = Phase.DRAINING
+    with pytest.raises(Unavailable) as e:
+        state.admit()
+    assert e.value.reason == "draining"
+
+
+def test_api_token_sources(tmp_path) -> None:
+    cfg = load_config(None, {})
+    assert resolve_api_token(cfg, {}) is None
+    assert resolve_api_token(cfg, {"WATTSERVE_API_TOKEN": "abc"}) == "abc"
+    token_file = tmp_path / "token"
+    token_file.write_text("from-file\n")
+    cfg = load_config(None, {"server": {"api_token_file": str(token_file)}})
+    assert resolve_api_token(cfg, {}) == "from-file"
+    cfg = load_config(
+        None, {"server": {"api_token": "from-config", "api_token_file": str(token_file)}}
+    )
+    assert resolve_api_token(cfg, {}) == "from-config"
+    with pytest.raises(ConfigError, match="empty"):
+        resolve_api_token(cfg, {"WATTSERVE_API_TOKEN": "  "})
+    missing = load_config(None, {"server": {"api_token_file": str(tmp_path / "nope")}})
+    with pytest.raises(ConfigError, match="api_token_file"):
+        resolve_api_token(missing, {})
+
+
+def test_host_without_port() -> None:
+    assert host_without_port("LocalHost:8000") == "localhost"
+    assert host_without_port("[::1]:8000") == "[::1]"
+    assert host_without_port("127.0.0.1") == "127.0.0.1"
+    assert host_without_port("") == ""
+
+
+def test_openapi_documents_400_and_error_body_not_422() -> None:
+    app = create_app(ServingState(load_config(None, {}), api_token=None))
+    schema = app.openapi()
+    ops = [op for item in schema["paths"].values() for op in item.values()]
+    assert ops and all("422" not in op["responses"] for op in ops)
+    assert all(op["responses"]["default"]["content"]["application/json"] for op in ops)
+    assert "ErrorResponse" in schema["components"]["schemas"]
+    assert {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/health",
+        "/ready",
+        "/metrics",
+        "/v1/status",
+        "/v1/control/policy",
+        "/v1/control/knobs",
+    } <= set(schema["paths"])
+
+
+def test_docs_can_be_turned_off() -> None:
+    app = create_app(ServingState(load_config(None, {"server": {"docs_enabled": False}}), None))
+    assert app.openapi_url is None and app.docs_url is None

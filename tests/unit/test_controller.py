@@ -1,0 +1,498 @@
+"""The controller on synthetic traces: no torch, no device, no engine, simulated seconds.
+
+A few lines of "plant" stand in for a GPU and a continuous-batching engine: steps whose
+compute share stretches with f_max / f, power that rises steeply with the clock while
+busy, noisy latencies and readings. Each test drives Controller.observe() tick by tick.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from controller.controller import (
+    Controller,
+    ControllerParams,
+    ControllerState,
+    Reason,
+    candidate_clocks,
+)
+from controller.policy import ControlMode, Knobs, Policy, QuantOption
+from controller.signals import (
+    DeviceConstraints,
+    EngineConstraints,
+    EngineStats,
+    StepRecord,
+    Telemetry,
+)
+
+LADDER = tuple(range(345, 1981, 15))
+TICK_S = 0.25
+
+
+def make_controller(
+    mode: ControlMode = ControlMode.AUTO,
+    budget_w: float = 400.0,
+    levels: tuple[QuantOption, ...] = (QuantOption("fp32", 0.0, 4),),
+    params: ControllerParams | None = None,
+    max_ppl: float | None = None,
+    can_set_power_limit: bool = True,
+) -> Controller:
+    policy = Policy(
+        power_budget_w=budget_w,
+        ttft_slo_ms=2000.0,
+        tpot_slo_ms=200.0,
+        mode=mode,
+        max_ppl_increase_pct=max_ppl,
+    )
+    device = DeviceConstraints(
+        LADDER,
+        power_limit_min_w=200.0,
+        power_limit_max_w=700.0,
+        can_set_power_limit=can_set_power_limit,
+    )
+    engine = EngineConstraints(64, 512, 16, levels, "fp32")
+    return Controller(policy, device, engine, Knobs(64, 512, "fp32"), params)
+
+
+@dataclass
+class Plant:
+    """A GPU plus engine in closed form. Rates are offered load; the engine steps back to
+    back while anything runs; a decode batch over the cap waits."""
+
+    decode_rate_tok_s: float = 120.0
+    prompt_rate_tok_s: float = 120.0
+    request_rate_s: float = 1.0
+    compute_share: float = 0.15
+    noise: float = 0.05
+    seed: int = 0
+    t_s: float = 1000.0
+    clock_mhz: int = 1980
+    waiting: int = 0
+    totals: list = field(default_factory=lambda: [0, 0, 0])  # requests, prompt, output
+    level_speed: dict = field(default_factory=lambda: {"fp32": 1.0})
+    powers: list = field(default_factory=list)  # (time, power W) per tick
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+
+    def step_s(self, prefill: float, decode: float, level: str) -> float:
+        base = (0.010 + 0.0008 * prefill + 0.003 * decode) * self.level_speed.get(level, 1.0)
+        cs = self.compute_share
+        return base * (cs * 1980 / self.clock_mhz + (1 - cs))
+
+    def power_w(self, decode_busy: float, prefill_busy: float) -> float:
+        g = self.clock_mhz / 1980
+        return 70 + 40 * g + decode_busy * (40 + 80 * g**3) + prefill_busy * (60 + 400 * g**3)
+
+    def tick(
+        self,
+        knobs: Knobs | None,
+        *,
+        stale: bool = False,
+        margin_c: float = 30.0,
+        slowdown: bool = False,
+    ) -> tuple[Telemetry, EngineStats]:
+        level = (knobs.quant_level if knobs else None) or "fp32"
+        cap = knobs.max_num_seqs if knobs else 64
+        if knobs is not None and knobs.sm_clock_mhz:
+            self.clock_mhz = knobs.sm_clock_mhz
+        start = self.t_s
+        steps = []
+        t_prev = self.step_s(0, 1, level)
+        elapsed = 0.0
+        dec_busy = pre_busy = 0.0
+        busy = self.decode_rate_tok_s > 0
+        while busy and elapsed < TICK_S:
+            want = self.decode_rate_tok_s * t_prev
+            decode = max(1, min(cap, round(want)))
+            prefill = int(self.prompt_rate_tok_s * t_prev)
+            t = self.step_s(prefill, decode, level) * (1 + self.noise * self.rng.gauss(0, 1))
+            t = max(t, 1e-3)
+            steps.append(
+                StepRecord(start + elapsed, t, prefill, decode, decode * 200, level, self.clock_mhz)
+            )
+            if prefill:
+                pre_busy += t
+            else:
+                dec_busy += t
+            elapsed += t
+            t_prev = t
+            if want > cap:
+                self.waiting += 1
+        self.t_s = start + max(elapsed, TICK_S)
+        span = self.t_s - start
+        power = self.power_w(dec_busy / span, pre_busy / span)
+        power *= 1 + 0.01 * self.rng.gauss(0, 1)
+        self.powers.append((self.t_s, power))
+        n_req = self.rng.random() < self.request_rate_s * span
+        mean_step = sum(s.duration_s for s in steps) / len(steps) if steps else 0.0
+        ttft = tuple(
+            (0.5 * mean_step + self.step_s(100, 1, level))
+            * (1 + self.noise * abs(self.rng.gauss(0, 1)))
+            for _ in range(int(n_req))
+        )
+        tpot = tuple(mean_step * (1 + self.noise * self.rng.gauss(0, 1)) for _ in range(int(n_req)))
+        self.totals[0] += int(n_req)
+        self.totals[1] += int(self.prompt_rate_tok_s * span)
+        self.totals[2] += sum(s.decode_tokens for s in steps)
+        telemetry = Telemetry(
+            timestamp_s=self.t_s,
+            power_w=power,
+            power_avg_w=power,
+            power_avg_window_s=span,
+            gpu_temp_c=45.0,
+            thermal_margin_c=margin_c,
+            sm_clock_mhz=self.clock_mhz,
+            hw_slowdown=slowdown,
+            stale=stale,
+        )
+        stats = EngineStats(
+            timestamp_s=self.t_s,
+            num_running=min(cap, max(1, round(self.decode_rate_tok_s * t_prev))) if busy else 0,
+            num_waiting=self.waiting,
+            steps=tuple(steps),
+            prompt_tokens_total=self.totals[1],
+            generation_tokens_total=self.totals[2],
+            requests_total=self.totals[0],
+            ttft_s=ttft,
+            tpot_s=tpot,
+            quant_level=level,
+        )
+        return telemetry, stats
+
+
+def run(ctl: Controller, plant: Plant, seconds: float, **tick_kwargs) -> list:
+    decisions = []
+    knobs = ctl.knobs
+    for _ in range(int(seconds / TICK_S)):
+        telemetry, stats = plant.tick(knobs, **tick_kwargs)
+        d = ctl.observe(telemetry, stats, plant.t_s)
+        decisions.append(d)
+        if d.apply:
+            knobs = d.knobs
+    return decisions
+
+
+def test_candidate_clocks_span_the_ladder():
+    c = candidate_clocks(LADDER, 12)
+    assert c[0] == LADDER[0] and c[-1] == LADDER[-1]
+    assert 10 <= len(c) <= 12 and list(c) == sorted(c)
+
+
+def test_tracking_lowers_the_clock_of_a_memory_bound_load_and_meets_slos():
+    ctl = make_controller()
+    plant = Plant(compute_share=0.1)
+    decisions = run(ctl, plant, 90)
+    last = decisions[-40:]
+    assert all(d.state is ControllerState.TRACKING for d in last)
+    assert max(d.knobs.sm_clock_mhz for d in last) < 1500  # walked well below the top
+    # ... while the step time (TPOT) the plant produced stayed within the SLO.
+    assert plant.step_s(0, 40, "fp32") * 1000 < 200
+    assert ctl.counters.decisions[Reason.OPTIMIZE.value] > 0
+
+
+def test_compute_bound_load_keeps_a_higher_clock_than_memory_bound():
+    low = make_controller()
+    run(low, Plant(compute_share=0.1), 90)
+    high = make_controller()
+    # Nearly all compute: lowering the clock stretches steps past the TPOT SLO.
+    run(high, Plant(compute_share=0.9, decode_rate_tok_s=300.0), 90)
+    assert high.knobs.sm_clock_mhz > low.knobs.sm_clock_mhz
+
+
+def test_power_over_budget_steps_down_at_once_and_holds_the_ceiling():
+    ctl = make_controller(budget_w=400.0)
+    plant = Plant(compute_share=0.5, decode_rate_tok_s=200.0)
+    run(ctl, plant, 30)
+    assert ctl.knobs.sm_clock_mhz > LADDER[0]
+    before = ctl.knobs.sm_clock_mhz
+    # The budget drops below what the plant draws now: the very next decision cuts.
+    budget_w = 0.8 * plant.powers[-1][1]
+    ctl.set_policy(ctl.policy.with_changes(power_budget_w=budget_w))
+    telemetry, stats = plant.tick(ctl.knobs)
+    d = ctl.observe(telemetry, stats, plant.t_s)
+    assert d.reason_code is Reason.OVER_BUDGET and d.state is ControllerState.GUARD_POWER
+    assert d.knobs.sm_clock_mhz < before
+    # The board limit follows at once: 0.98 x the budget, clamped to the device range.
+    assert d.knobs.power_limit_w == pytest.approx(max(200.0, 0.98 * budget_w), abs=0.1)
+    ceiling = d.knobs.sm_clock_mhz
+    # Anti-windup: a latency miss inside the hold may not raise the clock above the ceiling.
+    plant.clock_mhz = ceiling
+    telemetry, stats = plant.tick(d.knobs)
+    miss = EngineStats(**{**stats.__dict__, "ttft_s": (5.0,), "tpot_s": (0.5,)})
+    d2 = ctl.observe(telemetry, miss, plant.t_s)
+    assert d2.knobs.sm_clock_mhz <= ceiling
+
+
+def test_power_settles_below_a_lowered_budget_on_the_plant():
+    ctl = make_controller(budget_w=400.0)
+    plant = Plant(compute_share=0.5, decode_rate_tok_s=200.0, prompt_rate_tok_s=300.0)
+    run(ctl, plant, 20)
+    assert plant.powers[-1][1] > 200.0
+    cut_at = plant.t_s
+    ctl.set_policy(ctl.policy.with_changes(power_budget_w=170.0))
+    run(ctl, plant, 20)
+    # From 3 s after the cut on, the plant's power stays under the new budget (+ noise).
+    after = [w for t, w in plant.powers if t > cut_at + 3.0]
+    assert after and max(after) < 170.0 * 1.03
+
+
+def test_queue_growth_steps_up_at_once():
+    ctl = make_controller()
+    plant = Plant(compute_share=0.1)
+    run(ctl, plant, 60)
+    clock = ctl.knobs.sm_clock_mhz
+    assert clock < LADDER[-1]
+    decision = None
+    for waiting in (1, 3, 6, 10):
+        plant.waiting = waiting
+        telemetry, stats = plant.tick(ctl.knobs)
+        stats = EngineStats(**{**stats.__dict__, "num_waiting": waiting})
+        decision = ctl.observe(telemetry, stats, plant.t_s)
+        if decision.reason_code is Reason.QUEUE_GROWTH:
+            break
+    assert decision is not None and decision.reason_code is Reason.QUEUE_GROWTH
+    assert decision.state is ControllerState.GUARD_LATENCY
+    assert decision.knobs.sm_clock_mhz > clock
+
+
+def test_measured_slo_miss_steps_up_and_holds_a_floor():
+    ctl = make_controller()
+    plant = Plant(compute_share=0.1)
+    run(ctl, plant, 60)
+    clock = ctl.knobs.sm_clock_mhz
+    telemetry, stats = plant.tick(ctl.knobs)
+    stats = EngineStats(**{**stats.__dict__, "ttft_s": (2.5,)})
+    d = ctl.observe(telemetry, stats, plant.t_s)
+    assert d.reason_code is Reason.SLO_MISS and "TTFT" in d.reason
+    assert d.knobs.sm_clock_mhz > clock
+    floor = d.knobs.sm_clock_mhz
+    # For guard_hold_s the optimizer may not go back below the floor.
+    after = run(ctl, plant, 5)
+    assert min(x.knobs.sm_clock_mhz for x in after) >= floor
+
+
+def test_stale_telemetry_holds_then_falls_back():
+    params = ControllerParams(stale_hold_s=2.0, fallback_sm_clock_mhz=1200, fallback_max_num_seqs=8)
+    ctl = make_controller(params=params)
+    plant = Plant()
+    run(ctl, plant, 30)
+    safe = ctl.knobs
+    held = run(ctl, plant, 1.5, stale=True)
+    assert all(d.state is ControllerState.HOLD and d.reason_code is Reason.STALE_HOLD for d in held)
+    assert all(d.knobs == safe for d in held)
+    later = run(ctl, plant, 2.0, stale=True)
+    assert later[-1].state is ControllerState.FALLBACK
+    assert later[-1].knobs.sm_clock_mhz == 1200 and later[-1].knobs.max_num_seqs == 8
+    # Missing telemetry counts as stale too.
+    _, stats = plant.tick(ctl.knobs)
+    assert ctl.observe(None, stats, plant.t_s).state is ControllerState.FALLBACK
+    # Fresh telemetry again: back to normal operation.
+    back = run(ctl, plant, 3)
+    assert back[-1].state not in (ControllerState.HOLD, ControllerState.FALLBACK)
+
+
+def test_thermal_margin_derates_the_budget_and_slowdown_marks_models_stale():
+    ctl = make_controller(budget_w=400.0)
+    plant = Plant()
+    run(ctl, plant, 20)
+    full = run(ctl, plant, 1, margin_c=20.0)[-1]
+    assert full.effective_budget_w == pytest.approx(400.0)
+    mid = run(ctl, plant, 1, margin_c=3.0)[-1]
+    assert 240.0 < mid.effective_budget_w < 400.0  # linear between 6 and 0 degC of margin
+    low = run(ctl, plant, 1, margin_c=-1.0)[-1]
+    assert low.effective_budget_w == pytest.approx(240.0)
+    # Recovery is gradual (no step back to the full budget).
+    rec = run(ctl, plant, 0.25, margin_c=20.0)[-1]
+    assert rec.effective_budget_w < 400.0
+    # A hardware slowdown forgets the latency ratios measured so far.
+    assert len(ctl._tpot_ratio) > 0
+    run(ctl, plant, 0.25, slowdown=True)
+    assert len(ctl._tpot_ratio) <= 1
+
+
+def test_power_between_derated_and_nominal_budget_triggers_the_guard():
+    ctl = make_controller(budget_w=300.0)
+    plant = Plant(compute_share=0.5, decode_rate_tok_s=200.0, prompt_rate_tok_s=300.0)
+    run(ctl, plant, 10)
+    telemetry, stats = plant.tick(ctl.knobs)
+    hot = Telemetry(**{**telemetry.__dict__, "power_w": 250.0, "thermal_margin_c": 0.0})
+    d = ctl.observe(hot, stats, plant.t_s)
+    assert d.effective_budget_w == pytest.approx(180.0)
+    assert d.reason_code is Reason.OVER_BUDGET and "derated" in d.reason
+
+
+def test_decisions_stay_inside_the_constraints():
+    rng = random.Random(7)
+    ctl = make_controller(levels=(QuantOption("fp32", 0.0, 4), QuantOption("int8", 1.0, 1)))
+    allowed = {"fp32", "int8"}
+    t = 0.0
+    for _ in range(600):
+        t += rng.uniform(0.05, 0.5)
+        stale = rng.random() < 0.05
+        telemetry = Telemetry(
+            timestamp_s=t,
+            power_w=rng.uniform(0, 1500),
+            power_avg_w=rng.uniform(0, 1500),
+            gpu_temp_c=rng.uniform(20, 95),
+            thermal_margin_c=rng.uniform(-5, 60),
+            sm_clock_mhz=rng.choice(LADDER + (100, 5000)),
+            hw_slowdown=rng.random() < 0.05,
+            stale=stale,
+        )
+        steps = tuple(
+            StepRecord(
+                t - 0.1,
+                rng.uniform(1e-4, 3.0),
+                rng.randint(0, 600),
+                rng.randint(0, 200),
+                rng.randint(0, 10**5),
+                rng.choice(("fp32", "int8")),
+                rng.choice(LADDER),
+            )
+            for _ in range(rng.randint(0, 5))
+        )
+        stats = EngineStats(
+            timestamp_s=t,
+            num_running=rng.randint(0, 100),
+            num_waiting=rng.randint(0, 100),
+            steps=steps,
+            prompt_tokens_total=int(t * 100),
+            generation_tokens_total=int(t * 80),
+            requests_total=int(t),
+            ttft_s=tuple(rng.uniform(0, 10) for _ in range(rng.randint(0, 3))),
+            tpot_s=tuple(rng.uniform(0, 1) for _ in range(rng.randint(0, 3))),
+        )
+        if rng.random() < 0.05:
+            ctl.set_policy(ctl.policy.with_changes(power_budget_w=rng.uniform(50, 2000)))
+        d = ctl.observe(None if rng.random() < 0.02 else telemetry, stats, t)
+        k = d.knobs
+        assert k.sm_clock_mhz is None or k.sm_clock_mhz in LADDER
+        assert k.power_limit_w is None or 200.0 <= k.power_limit_w <= 700.0
+        assert 1 <= k.max_num_seqs <= 64 and 16 <= k.max_num_batched_tokens <= 512
+        assert k.quant_level in allowed
+        assert d.reason
+    assert sum(ctl.counters.decisions.values()) == 600
+
+
+def test_hysteresis_bounds_knob_changes_on_a_noisy_steady_trace():
+    ctl = make_controller()
+    # Half the step time scales with the clock, 40 % step-time noise, 1 % power noise:
+    # the SLO edge lies inside the noise, so a controller without hysteresis chatters
+    # (about 11 clock changes a minute here without the band, interval and gain threshold).
+    plant = Plant(compute_share=0.5, noise=0.4, decode_rate_tok_s=200.0)
+    run(ctl, plant, 60)  # learn and settle
+    before = dict(ctl.counters.knob_changes)
+    run(ctl, plant, 300)
+    changes = {k: v - before.get(k, 0) for k, v in ctl.counters.knob_changes.items()}
+    assert changes.get("sm_clock_mhz", 0) / 5.0 <= 4, changes
+    assert changes.get("max_num_seqs", 0) / 5.0 <= 3, changes
+    assert changes.get("quant_level", 0) == 0, changes
+    assert sum(changes.values()) / 5.0 <= 8, changes
+
+
+def test_observe_mode_computes_advice_but_applies_nothing():
+    ctl = make_controller(mode=ControlMode.OBSERVE)
+    plant = Plant(compute_share=0.1)
+    decisions = run(ctl, plant, 60)
+    assert all(not d.apply for d in decisions)
+    assert plant.clock_mhz == 1980  # the plant never received a knob
+    # ...while the advice is real: it would lower the clock.
+    assert min(d.knobs.sm_clock_mhz for d in decisions[-20:]) < 1980
+    assert all(d.mode is ControlMode.OBSERVE for d in decisions)
+
+
+def test_manual_mode_keeps_operator_knobs_but_guards_the_budget():
+    ctl = make_controller(mode=ControlMode.MANUAL, budget_w=400.0)
+    ctl.set_manual_knobs(Knobs(16, 256, "fp32", 1500, None))
+    plant = Plant(compute_share=0.1)
+    decisions = run(ctl, plant, 10)
+    # (The plant starts at the top clock, over budget: the first decision is a guard.)
+    assert all(d.state is ControllerState.MANUAL for d in decisions[1:])
+    assert decisions[-1].knobs.sm_clock_mhz == 1500 and decisions[-1].knobs.max_num_seqs == 16
+    ctl.set_policy(ctl.policy.with_changes(power_budget_w=120.0))
+    d = run(ctl, plant, 0.25)[-1]
+    assert d.reason_code is Reason.OVER_BUDGET and d.knobs.sm_clock_mhz < 1500
+    assert d.knobs.max_num_seqs == 16  # the guard touches only the clock
+
+
+def test_idle_drops_to_the_lowest_clock_meeting_ttft():
+    ctl = make_controller()
+    plant = Plant(compute_share=0.1)
+    run(ctl, plant, 40)
+    plant.decode_rate_tok_s = plant.prompt_rate_tok_s = plant.request_rate_s = 0.0
+    decisions = run(ctl, plant, 20)
+    idle = [d for d in decisions if d.state is ControllerState.IDLE]
+    assert idle and idle[-1].reason_code is Reason.IDLE
+    assert "TTFT" in idle[-1].reason
+    # The idle clock is the lowest trusted one (well below the top) ...
+    assert idle[-1].knobs.sm_clock_mhz < 1500
+    # ... and one that meets the TTFT SLO for a prefill of the mean prompt.
+    plant.clock_mhz = idle[-1].knobs.sm_clock_mhz
+    assert plant.step_s(120, 0, "fp32") * 1000 < 2000
+
+
+def test_a_level_forbidden_by_policy_is_never_selected():
+    levels = (
+        QuantOption("fp32", 0.0, 4),
+        QuantOption("int8", 0.5, 1),
+        QuantOption("int4", 8.0, 1),  # cheaper still, but over the quality limit
+    )
+    params = ControllerParams(quant_dwell_s=5.0, quant_explore_dwell_s=3.0)
+    ctl = make_controller(levels=levels, params=params, max_ppl=2.0)
+    plant = Plant(compute_share=0.1, level_speed={"fp32": 1.0, "int8": 0.6, "int4": 0.3})
+    decisions = run(ctl, plant, 240)
+    chosen = {d.knobs.quant_level for d in decisions}
+    assert "int4" not in chosen
+    assert "int8" in chosen  # explored and, being faster here, kept
+    assert decisions[-1].knobs.quant_level == "int8"
+    # Tightening the limit below int8's cost switches back at once.
+    ctl.set_policy(ctl.policy.with_changes(max_ppl_increase_pct=0.1))
+    d = run(ctl, plant, 0.25)[-1]
+    assert d.reason_code is Reason.QUANT_FORBIDDEN and d.knobs.quant_level == "fp32"
+
+
+def test_quant_switches_respect_the_dwell_time():
+    levels = (QuantOption("fp32", 0.0, 4), QuantOption("int8", 0.5, 1))
+    params = ControllerParams(quant_dwell_s=20.0, quant_explore_dwell_s=5.0)
+    ctl = make_controller(levels=levels, params=params)
+    plant = Plant(compute_share=0.1, noise=0.2, level_speed={"fp32": 1.0, "int8": 0.97})
+    decisions = run(ctl, plant, 300)
+    switch_times = [
+        d.at_s
+        for prev, d in zip(decisions, decisions[1:], strict=False)
+        if d.knobs.quant_level != prev.knobs.quant_level
+    ]
+    gaps = [b - a for a, b in zip(switch_times, switch_times[1:], strict=False)]
+    assert all(g >= 5.0 - 1e-9 for g in gaps), gaps
+    assert len(switch_times) <= 300 / 20 + 2
+
+
+def test_power_limit_stands_in_for_clocks_the_device_cannot_lock():
+    ctl = Controller(
+        Policy(400.0, 2000.0, 200.0, mode=ControlMode.AUTO),
+        DeviceConstraints(
+            LADDER, can_lock_clocks=False, power_limit_min_w=100.0, power_limit_max_w=700.0
+        ),
+        EngineConstraints(64, 512),
+        Knobs(64, 512, "fp32"),
+    )
+    plant = Plant(compute_share=0.1)
+    decisions = run(ctl, plant, 30)
+    assert all(d.knobs.sm_clock_mhz is None for d in decisions)
+    limits = [d.knobs.power_limit_w for d in decisions]
+    assert all(lim is not None and 100.0 <= lim <= 400.0 for lim in limits)
+
+
+def test_status_is_json_ready():
+    import json
+
+    ctl = make_controller()
+    run(ctl, Plant(), 10)
+    text = json.dumps(ctl.status())
+    assert '"state"' in text and '"counters"' in text
+    assert math.isfinite(ctl.status()["effective_budget_w"])

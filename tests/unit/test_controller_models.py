@@ -1,0 +1,216 @@
+"""The controller's value types, online models and edge schema (no torch, no device)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from pydantic import ValidationError
+
+from controller.models import (
+    PowerModel,
+    PowerSegment,
+    QuantileRatio,
+    RecursiveLeastSquares,
+    StepTimeModel,
+    Workload,
+    percentile_of,
+    predict,
+)
+from controller.policy import (
+    ControlMode,
+    Knobs,
+    Objective,
+    Policy,
+    QuantOption,
+    allowed_quant_levels,
+)
+from controller.schema import PolicyModel, PolicyPatch
+from controller.signals import DeviceConstraints, EngineConstraints, StepRecord
+
+
+def test_rls_learns_a_noisy_linear_function_and_tracks_a_change():
+    rng = random.Random(0)
+    rls = RecursiveLeastSquares([0.0, 0.0, 0.0], p0=100.0, forgetting=0.98)
+    for _ in range(400):
+        x = [1.0, rng.uniform(0, 5), rng.uniform(0, 5)]
+        rls.update(x, 2.0 + 0.5 * x[1] - 0.25 * x[2] + rng.gauss(0, 0.01))
+    assert rls.theta == pytest.approx([2.0, 0.5, -0.25], abs=0.02)
+    for _ in range(400):  # the plant changes; forgetting lets the estimate follow
+        x = [1.0, rng.uniform(0, 5), rng.uniform(0, 5)]
+        rls.update(x, 1.0 + 1.0 * x[1])
+    assert rls.theta == pytest.approx([1.0, 1.0, 0.0], abs=0.02)
+
+
+def test_rls_covariance_stays_bounded_without_excitation():
+    rls = RecursiveLeastSquares([0.0, 0.0], p0=1.0, forgetting=0.9, max_trace=50.0)
+    for _ in range(1000):
+        rls.update([1.0, 0.0], 3.0)  # the second direction is never excited
+    assert sum(rls.p[i][i] for i in range(2)) <= 50.0 + 1e-9
+    assert rls.theta[0] == pytest.approx(3.0, rel=1e-3)
+
+
+def test_step_time_model_separates_compute_and_memory_time_across_clocks():
+    # Truth: a fixed 5 ms + 2 ms per decode token, of which 30 % scales with f_max / f.
+    def truth(decode: int, f: int) -> float:
+        t = 0.005 + 0.002 * decode
+        return t * (0.3 * 1980 / f + 0.7)
+
+    model = StepTimeModel(1980)
+    rng = random.Random(1)
+    for _ in range(600):
+        f = rng.choice((1980, 1500, 1005))
+        d = rng.randint(1, 64)
+        step = StepRecord(0.0, truth(d, f), 0, d, d * 100, "fp32", f)
+        model.learn(step, f)
+    co = model.coefficients(600)  # never seen: predicted from the learned split
+    assert co.step_s(0, 32, 3200) == pytest.approx(truth(32, 600), rel=0.05)
+    assert model.seen_clocks(10) == [1005, 1500, 1980]
+    assert model.as_prior().samples == 0
+
+
+def test_power_model_learns_phase_powers_from_mixed_windows():
+    def truth(f: int, dec: float, pre: float) -> float:
+        g = f / 1980
+        return 70 + 45 * g + dec * (60 + 90 * g**3) + pre * (80 + 500 * g**3)
+
+    model = PowerModel(1980, 700.0, forgetting=1.0)
+    rng = random.Random(2)
+    for _ in range(800):
+        f = rng.choice((345, 795, 1200, 1605, 1980))
+        dec = rng.uniform(0, 1)
+        pre = rng.uniform(0, 1 - dec)
+        seg = [PowerSegment(1.0, f, dec, pre)]
+        model.learn(seg, 50.0, truth(f, dec, pre))
+    for f in (500, 1400, 1980):
+        assert model.predict_w(f, 1.0, 0.0, 50.0) == pytest.approx(truth(f, 1, 0), rel=0.03)
+        assert model.predict_w(f, 0.0, 1.0, 50.0) == pytest.approx(truth(f, 0, 1), rel=0.03)
+
+
+def test_quantile_ratio_defaults_then_calibrates_then_forgets():
+    q = QuantileRatio(default=1.5, min_samples=5, max_age_s=10.0)
+    assert q.ratio(0.0, 99) == 1.5
+    for i in range(20):
+        q.add(float(i) * 0.1, 100.0 + i, 100.0)
+    assert q.ratio(2.0, 99) == pytest.approx(1.19)
+    assert q.ratio(2.0, 50) == pytest.approx(1.09)
+    assert q.ratio(30.0, 99) == 1.5  # all aged out: back to the default
+
+
+def test_percentile_of_is_nearest_rank():
+    values = list(range(1, 101))
+    assert percentile_of(values, 99) == 99
+    assert percentile_of(values, 100) == 100
+    assert percentile_of([5.0], 50) == 5.0
+
+
+def _models() -> tuple[StepTimeModel, PowerModel]:
+    step = StepTimeModel(1980)
+    for d in range(1, 60):
+        for f in (1980, 1005):
+            t = (0.01 + 0.002 * d + 0.001 * 5) * (0.2 * 1980 / f + 0.8)
+            step.learn(StepRecord(0.0, t, 5, d, d * 200, "fp32", f), f)
+    return step, PowerModel(1980, 700.0)
+
+
+def test_prediction_grows_with_load_and_marks_saturation_unstable():
+    step, power = _models()
+
+    def at(rate: float):
+        w = Workload(rate / 100, rate, rate, 100.0, 200.0)
+        return predict(
+            level="fp32",
+            clock_mhz=1980,
+            max_num_seqs=64,
+            max_num_batched_tokens=512,
+            workload=w,
+            step_model=step,
+            power_model=power,
+            temp_c=50.0,
+            ttft_ratio=1.0,
+            tpot_ratio=1.0,
+        )
+
+    light, heavy, over = at(20.0), at(200.0), at(2000.0)
+    assert light.stable and heavy.stable and not over.stable
+    assert light.mean_tpot_ms < heavy.mean_tpot_ms
+    assert light.mean_ttft_ms < heavy.mean_ttft_ms
+    assert light.decode_batch < heavy.decode_batch
+    assert math.isinf(over.j_per_token) and math.isinf(over.ttft_ms)
+
+
+def test_policy_and_knobs_validate():
+    p = Policy(300.0, 2000.0, 200.0, mode="auto", objective="min_latency")
+    assert p.mode is ControlMode.AUTO and p.objective is Objective.MIN_LATENCY
+    assert p.with_changes(power_budget_w=200.0).power_budget_w == 200.0
+    with pytest.raises(ValueError, match="power_budget_w"):
+        Policy(0.0, 2000.0, 200.0)
+    with pytest.raises(ValueError, match="slo_percentile"):
+        Policy(300.0, 2000.0, 200.0, slo_percentile=101.0)
+    with pytest.raises(ValueError, match="tpot_slo_ms"):
+        Policy(300.0, 2000.0, math.nan)
+    with pytest.raises(ValueError):
+        Policy(300.0, 2000.0, 200.0, mode="turbo")
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        Knobs(0, 512)
+    with pytest.raises(ValueError, match="sm_clock_mhz"):
+        Knobs(8, 512, sm_clock_mhz=True)
+    k = Knobs(8, 512, "fp32", 1200, 300.0)
+    assert k.changed_fields(k.with_changes(sm_clock_mhz=1005)) == ("sm_clock_mhz",)
+
+
+def test_allowed_quant_levels_follow_the_measured_quality():
+    options = (
+        QuantOption("fp32", None),
+        QuantOption("int8", 0.8),
+        QuantOption("int4", 7.0),
+        QuantOption("bf16", None),
+    )
+    no_limit = Policy(300.0, 2000.0, 200.0)
+    assert allowed_quant_levels(options, "fp32", no_limit) == ("fp32", "int8", "int4", "bf16")
+    limited = no_limit.with_changes(max_ppl_increase_pct=2.0)
+    # fp32 is the reference; bf16 is unmeasured, so its cost is unknown: not allowed.
+    assert allowed_quant_levels(options, "fp32", limited) == ("fp32", "int8")
+
+
+def test_constraints_validate():
+    with pytest.raises(ValueError):
+        DeviceConstraints(())
+    d = DeviceConstraints((1980, 345, 1005, 1005))
+    assert d.sm_clock_ladder_mhz == (345, 1005, 1980)
+    with pytest.raises(ValueError):
+        EngineConstraints(0, 512)
+    assert EngineConstraints(8, 512).quant_options == (QuantOption("fp32"),)
+
+
+def test_policy_model_round_trips_and_rejects_bad_input():
+    body = {"power_budget_w": 300, "ttft_slo_ms": 2000, "tpot_slo_ms": 200, "mode": "auto"}
+    model = PolicyModel.model_validate(body)
+    policy = model.to_policy()
+    assert policy.slo_percentile == 99.0 and policy.objective is Objective.MIN_ENERGY_PER_TOKEN
+    assert PolicyModel.from_policy(policy) == model
+    for bad in (
+        {**body, "power_budget": 1},  # a typo is rejected by name
+        {**body, "power_budget_w": -5},
+        {**body, "mode": "turbo"},
+        {k: v for k, v in body.items() if k != "mode"},
+    ):
+        with pytest.raises(ValidationError):
+            PolicyModel.model_validate(bad)
+    with pytest.raises(ValidationError):
+        PolicyModel.model_validate_json(
+            '{"power_budget_w": NaN, "ttft_slo_ms": 1, "tpot_slo_ms": 1, "mode": "auto"}'
+        )
+
+
+def test_policy_patch_changes_only_what_it_names():
+    base = Policy(300.0, 2000.0, 200.0, mode="auto", max_ppl_increase_pct=2.0)
+    patched = PolicyPatch.model_validate({"power_budget_w": 180}).apply_to(base)
+    assert patched == base.with_changes(power_budget_w=180.0)
+    cleared = PolicyPatch.model_validate({"max_ppl_increase_pct": None}).apply_to(base)
+    assert cleared.max_ppl_increase_pct is None
+    moded = PolicyPatch.model_validate({"mode": "observe"}).apply_to(base)
+    assert moded.mode is ControlMode.OBSERVE
+    with pytest.raises(ValidationError):
+        PolicyPatch.model_validate({"budget": 1})
