@@ -30,9 +30,14 @@ import uvicorn
 from daemon.api.app import create_app
 from daemon.api.state import Phase, ServingState, resolve_api_token
 from daemon.config import Config, default_cache_dir
+from daemon.control_loop import ControlLoop
+from daemon.coupling import device_step_hook
+from daemon.device import TelemetrySampler, open_device
+from daemon.device.protocol import DeviceError
 from daemon.engine.engine import Engine, EngineOptions
 from daemon.engine.loader import LoadError, load_model
 from daemon.engine.request import SamplingParams
+from daemon.sdnotify import Notifier, ProgressProbe, Watchdog, status_line
 
 log = logging.getLogger("wattserve.server")
 
@@ -40,6 +45,8 @@ WARMUP_PROMPT = "Hello"
 # After the drain deadline aborts what is left, how long its final answers get to flush.
 _ABORT_FLUSH_S = 5.0
 _POLL_S = 0.05
+# How often systemd's STATUS= line is refreshed.
+_STATUS_INTERVAL_S = 5.0
 
 
 class _Server(uvicorn.Server):
@@ -83,6 +90,10 @@ class Daemon:
         # For callers on other threads (tests): set once ready, or once run() gave up.
         self.ready = threading.Event()
         self.stopped = threading.Event()
+        # systemd: a no-op without $NOTIFY_SOCKET (tests pass their own environ).
+        self.notifier = Notifier.from_environ(environ)
+        self.watchdog = Watchdog(self.notifier)
+        self._last_status: tuple[int, float] | None = None  # (requests finished, time)
 
     # ---- engine construction (runs on a helper thread) ---------------------------------
     def _load_and_build(self) -> Engine:
@@ -117,6 +128,7 @@ class Daemon:
             self.state.in_flight,
             self.cfg.server.drain_timeout_s,
         )
+        self.notifier.stopping(f"draining {self.state.in_flight} request(s)")
         self._shutdown.set()
 
     # ---- the life ----------------------------------------------------------------------------
@@ -142,6 +154,7 @@ class Daemon:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(sig, self._on_signal, sig)
         code = 1
+        background: list[asyncio.Task[None]] = []
         try:
             while not server.started and not serve_task.done():
                 await asyncio.sleep(0.01)
@@ -150,8 +163,16 @@ class Daemon:
                 return 1
             host, port = self.address
             log.info("wattserve listening on http://%s:%d", _url_host(host), port)
-            code = await self._bring_up()
+            async with self.notifier.extending_timeout():
+                code = await self._bring_up()
             if code is None:
+                background += [
+                    asyncio.create_task(self.watchdog.run(), name="sd-watchdog"),
+                    asyncio.create_task(
+                        self.notifier.report_status(self._status, _STATUS_INTERVAL_S),
+                        name="sd-status",
+                    ),
+                ]
                 await self._shutdown.wait()
                 await self._drain()
                 code = 0
@@ -165,8 +186,17 @@ class Daemon:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     self._loop.remove_signal_handler(sig)
             engine = self.state.engine
+            if self.state.control_loop is not None:
+                self.state.control_loop.stop()
             if engine is not None:
                 engine.stop(abort_pending=True)
+            if self.state.device_sampler is not None:
+                self.state.device_sampler.stop()
+            if self.state.device is not None:
+                self.state.device.close(restore=True)  # settings this run changed go back
+            for task in background:
+                task.cancel()
+            self.notifier.close()
             self.state.phase = Phase.STOPPED
             self.ready.set()
             self.stopped.set()
@@ -198,6 +228,8 @@ class Daemon:
             else:
                 log.error("cannot serve: %s", engine, exc_info=engine)
             return 1
+        if not self._attach_device(engine):
+            return 1
         engine.add_step_hook(self.state.metrics.on_step)
         engine.start()
         self.state.engine = engine
@@ -209,6 +241,16 @@ class Daemon:
             log.error("cannot serve: warm-up generation failed (%s)", outcome)
             return 1
         self.state.phase = Phase.READY
+        self.watchdog.add_probe(
+            "engine loop",
+            ProgressProbe(
+                lambda: engine.counters.steps,
+                idle=lambda: engine.is_running and not engine.has_work(),
+            ),
+        )
+        if self.state.control_loop is not None:
+            self.state.control_loop.start()
+        self.notifier.ready(self._status())
         log.info(
             "ready: model %s, context %d tokens, batch cap %d",
             self.state.served_model_name,
@@ -217,6 +259,40 @@ class Daemon:
         )
         self.ready.set()
         return None
+
+    def _status(self) -> str:
+        """systemd's one-line STATUS=: phase, model, finished requests per second, budget."""
+        engine = self.state.engine
+        finished = sum(engine.counters.requests_finished.values()) if engine else 0
+        now_s = time.monotonic()
+        rate = None
+        if self._last_status is not None:
+            rate = (finished - self._last_status[0]) / max(now_s - self._last_status[1], 1e-3)
+        self._last_status = (finished, now_s)
+        return status_line(
+            self.state.served_model_name or self.cfg.engine.model,
+            requests_per_s=rate,
+            power_budget_w=self.state.policy.power_budget_w,
+            phase=self.state.phase.value,
+        )
+
+    def _attach_device(self, engine: Engine) -> bool:
+        """Open the GPU (or the virtual one), start sampling it, and the control loop."""
+        try:
+            device = open_device(self.cfg.device)
+        except DeviceError as e:
+            log.error("cannot serve: device: %s", e)
+            return False
+        sampler = TelemetrySampler(device, rate_hz=self.cfg.device.sample_hz)
+        sampler.start()
+        self.state.device, self.state.device_sampler = device, sampler
+        if device.capabilities().is_virtual:
+            # The simulated clock acts on real steps: the engine waits out the stretch.
+            engine.add_step_hook(device_step_hook(engine, device))
+        loop = ControlLoop.build(self.cfg.controller, engine, device)
+        engine.add_step_hook(loop.on_step)  # after the stretch, so durations include it
+        self.state.control_loop = loop
+        return True
 
     def _deliver(self, fut: asyncio.Future, value: object, error: BaseException | None) -> None:
         def settle() -> None:

@@ -10,6 +10,7 @@ This module must not make control decisions itself.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from typing import Annotated
 
@@ -112,12 +113,24 @@ async def status(request: Request) -> StatusResponse:
                 "num_waiting": last.num_waiting,
             },
         }
+    if engine is not None:
+        engine_info["quantization"] = engine.quant_status()
+    device_info = None
+    if state.device is not None:
+        latest = state.device_sampler.latest() if state.device_sampler is not None else None
+        device_info = {
+            "capabilities": state.device.capabilities().to_dict(),
+            "telemetry": latest.to_dict() if latest is not None else None,
+        }
+    loop = state.control_loop
     return StatusResponse(
         phase=state.phase.value,
         model=state.served_model_name,
         server=server,
         engine=engine_info,
         policy=state.policy,
+        device=device_info,
+        controller=loop.status() if loop is not None else None,
     )
 
 
@@ -138,8 +151,21 @@ async def get_policy(request: Request) -> Policy:
     tags=["control"],
 )
 async def put_policy(body: Policy, request: Request) -> Policy:
-    # Stored for the controller to act on; the controller issue gives it its effect.
-    serving(request).policy = body
+    state = serving(request)
+    loop = state.control_loop
+    if loop is not None:
+        # The controller keeps the fields this body does not carry (percentile, objective).
+        current = loop.controller.policy
+        loop.set_policy(
+            dataclasses.replace(
+                current,
+                power_budget_w=body.power_budget_w,
+                ttft_slo_ms=body.ttft_slo_ms,
+                tpot_slo_ms=body.tpot_slo_ms,
+                mode=body.mode,
+            )
+        )
+    state.policy = body
     return body
 
 

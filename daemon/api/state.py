@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from daemon.api.metrics import Metrics
 from daemon.api.schemas import Policy
@@ -50,6 +50,10 @@ class ServingState:
     api_token: str | None
     metrics: Metrics = field(default_factory=Metrics)
     engine: Engine | None = None
+    # The GPU (or virtual GPU) and its sampler, once opened; the control loop, once running.
+    device: Any | None = None
+    device_sampler: Any | None = None
+    control_loop: Any | None = None
     phase: Phase = Phase.LOADING
     policy: Policy = field(init=False)  # from [controller] until a PUT replaces it
     in_flight: int = 0

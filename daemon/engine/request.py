@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+_MIN_SAMPLING_TEMPERATURE = 1e-5
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -56,7 +58,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # Temperatures this small make logits / T overflow; they mean greedy anyway.
+        return self.temperature < _MIN_SAMPLING_TEMPERATURE or self.top_k == 1
 
     def validate(self) -> None:
         _check_int("max_tokens", self.max_tokens, minimum=1)

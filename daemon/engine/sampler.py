@@ -33,6 +33,7 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
         cum = torch.cumsum(probs, dim=-1)
         keep = (cum - probs) < p.top_p
+        keep[0] = True  # a top_p below float32 resolution still keeps the best token
         probs = probs * keep
     choice = torch.multinomial(probs, 1, generator=gen)
     return int(indices[choice])

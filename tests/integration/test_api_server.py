@@ -265,6 +265,8 @@ def test_control_requires_token(client, server) -> None:
     assert client.put("/v1/control/policy", json=policy, headers=auth).json() == policy
     assert client.get("/v1/control/policy", headers=auth).json() == policy
     assert client.get("/v1/status").json()["policy"] == policy
+    steering = client.get("/v1/status").json()["controller"]  # the controller took it too
+    assert steering["mode"] == "manual" and steering["policy"]["power_budget_w"] == 250.0
     bad = client.put("/v1/control/policy", json={**policy, "tpot_slo_ms": -1}, headers=auth)
     assert_error(bad, 400, param="tpot_slo_ms")
     before = client.get("/v1/control/knobs", headers=auth).json()
@@ -393,7 +395,11 @@ def test_status_snapshot(client) -> None:
     assert status["phase"] == "ready"
     assert status["engine"]["kv_cache"]["total_blocks"] > 0
     assert status["server"]["control_enabled"] is True
-    assert status["device"] is None and status["controller"] is None
+    device = status["device"]
+    assert device["capabilities"]["is_virtual"] is True  # no NVML here: the virtual GPU
+    assert device["telemetry"]["power_w"] > 0
+    assert status["controller"]["mode"] == status["policy"]["mode"]
+    assert status["engine"]["quantization"]["level"] == "fp32"
 
 
 def _start_daemon(cfg, build_engine):

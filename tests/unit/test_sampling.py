@@ -108,3 +108,11 @@ def test_bad_parameters_are_named(values, param):
 def test_good_parameters_round_trip():
     p = SamplingParams.from_dict({"max_tokens": 5, "stop": "x", "temperature": 0})
     assert p.stop == ("x",) and p.greedy and p.max_tokens == 5
+
+
+def test_extreme_but_valid_values_do_not_break_sampling():
+    logits = _logits(rows=1)
+    best = int(logits[0].argmax())
+    g = make_generator(0)
+    assert sample(logits, [SamplingParams(temperature=5e-324)], [g]) == [best]
+    assert sample(logits, [SamplingParams(top_p=5e-324)], [g]) == [best]
