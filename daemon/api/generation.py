@@ -66,6 +66,8 @@ class GenerationStream:
             if self._first_token_s is None:
                 self._first_token_s = now
                 metrics.ttft.observe(now - self.arrival_s)
+                if self.state.control_loop is not None:
+                    self.state.control_loop.record_ttft_s(now - self.arrival_s)
             else:
                 # One engine event per token; a gap covers however many tokens it carries.
                 gap = (now - (self._last_token_s or now)) / len(out.token_ids)
@@ -89,7 +91,10 @@ class GenerationStream:
         e2e = now - self.arrival_s
         metrics.e2e.observe(e2e)
         if self._first_token_s is not None and self.completion_tokens > 1:
-            metrics.tpot.observe((now - self._first_token_s) / (self.completion_tokens - 1))
+            tpot_s = (now - self._first_token_s) / (self.completion_tokens - 1)
+            metrics.tpot.observe(tpot_s)
+            if self.state.control_loop is not None:
+                self.state.control_loop.record_tpot_s(tpot_s)
         self._release(e2e if reason in ("stop", "length") else None)
 
     def close(self) -> None:
