@@ -10,6 +10,7 @@ This module must not make control decisions itself.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import secrets
 from typing import Annotated
@@ -17,6 +18,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from controller.policy import Knobs as ControllerKnobs
 from daemon.api.errors import APIError
 from daemon.api.openai import require_engine, serving, unavailable_error
 from daemon.api.schemas import (
@@ -28,6 +30,7 @@ from daemon.api.schemas import (
     StatusResponse,
 )
 from daemon.api.state import Phase, Unavailable
+from daemon.device.protocol import IN_FORCE
 
 router = APIRouter()
 
@@ -170,9 +173,18 @@ async def put_policy(body: Policy, request: Request) -> Policy:
 
 
 def _knobs(request: Request) -> Knobs:
-    limits = require_engine(serving(request)).limits
+    state = serving(request)
+    engine = require_engine(state)
+    limits = engine.limits
+    lock = None
+    if state.device_sampler is not None and state.device_sampler.latest() is not None:
+        held = state.device_sampler.latest().sm_clock_lock_mhz
+        lock = list(held) if held is not None else None
     return Knobs(
-        max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens
+        max_num_seqs=limits.max_num_seqs,
+        max_num_batched_tokens=limits.max_num_batched_tokens,
+        quant_level=engine.quant_status()["requested"],  # lands at the next engine step
+        sm_clock_lock_mhz=lock,
     )
 
 
@@ -193,17 +205,40 @@ async def get_knobs(request: Request) -> Knobs:
     tags=["control"],
 )
 async def put_knobs(body: KnobsUpdate, request: Request) -> Knobs:
-    engine = require_engine(serving(request))
-    for name in ("quant_level", "clock_mhz"):
-        if getattr(body, name) is not None:
+    state = serving(request)
+    engine = require_engine(state)
+    if body.quant_level is not None:
+        try:
+            # Building a level the first time takes seconds: off the event loop.
+            await asyncio.to_thread(engine.set_quant_level, body.quant_level)
+        except ValueError as e:
+            raise APIError(400, str(e), param="quant_level", code="invalid_quant_level") from None
+    if body.clock_mhz is not None:
+        if state.device is None:
+            raise APIError(409, "no device is open", param="clock_mhz", code="no_device")
+        result = await asyncio.to_thread(
+            state.device.lock_sm_clocks_mhz, body.clock_mhz, body.clock_mhz
+        )
+        if result.outcome not in IN_FORCE:
             raise APIError(
-                400,
-                f"{name} cannot be set in this build: no quantized weights or device "
-                "control is attached yet",
-                param=name,
-                code="unsupported_knob",
+                409,
+                f"clock lock not applied ({result.outcome.value}): {result.detail}",
+                param="clock_mhz",
+                code="knob_not_applied",
             )
     engine.set_limits(
         max_num_seqs=body.max_num_seqs, max_num_batched_tokens=body.max_num_batched_tokens
     )
+    loop = state.control_loop
+    if loop is not None:
+        # Manual mode holds these knobs; in auto mode the controller steers from here on.
+        limits = engine.limits
+        loop.set_manual_knobs(
+            ControllerKnobs(
+                max_num_seqs=limits.max_num_seqs,
+                max_num_batched_tokens=limits.max_num_batched_tokens,
+                quant_level=body.quant_level or engine.quant_status()["requested"],
+                sm_clock_mhz=body.clock_mhz,
+            )
+        )
     return _knobs(request)

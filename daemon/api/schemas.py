@@ -393,10 +393,10 @@ class KnobsUpdate(_Body):
         None, ge=1, le=1 << 20, description="Token budget of one engine step."
     )
     quant_level: str | None = Field(
-        None, max_length=32, description="Weight quantization level (not available yet)."
+        None, max_length=32, description="Weight quantization level (fp32, bf16, int8, int4, ...)."
     )
     clock_mhz: int | None = Field(
-        None, ge=1, le=10_000, description="SM clock lock (not available yet)."
+        None, ge=1, le=10_000, description="SM clock lock, MHz (device.mode = control)."
     )
 
 
@@ -405,6 +405,8 @@ class Knobs(BaseModel):
 
     max_num_seqs: int
     max_num_batched_tokens: int
+    quant_level: str
+    sm_clock_lock_mhz: list[int] | None = None
 
 
 class StatusResponse(BaseModel):

@@ -276,14 +276,23 @@ def test_control_requires_token(client, server) -> None:
         assert server.engine.limits.max_num_seqs == 3  # the engine's batch cap moved now
         assert client.get("/v1/status").json()["engine"]["limits"]["max_num_seqs"] == 3
         r = client.put("/v1/control/knobs", json={"clock_mhz": 1500}, headers=auth)
-        assert_error(r, 400, "unsupported_knob", "clock_mhz")
+        assert_error(r, 409, "knob_not_applied", "clock_mhz")  # device.mode = observe
+        r = client.put("/v1/control/knobs", json={"quant_level": "int8"}, headers=auth)
+        assert r.status_code == 200 and r.json()["quant_level"] == "int8"
+        done = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert done.status_code == 200
+        assert server.engine.quant_level == "int8"  # switched at the next step
+        r = client.put("/v1/control/knobs", json={"quant_level": "int3"}, headers=auth)
+        assert_error(r, 400, "invalid_quant_level", "quant_level")
+        assert server.engine.quant_level == "int8"
         assert_error(
             client.put("/v1/control/knobs", json={"max_num_seqs": 0}, headers=auth),
             400,
             param="max_num_seqs",
         )
     finally:
-        client.put("/v1/control/knobs", json=before, headers=auth)
+        restore = {k: before[k] for k in ("max_num_seqs", "max_num_batched_tokens", "quant_level")}
+        assert client.put("/v1/control/knobs", json=restore, headers=auth).status_code == 200
 
 
 def test_control_disabled_without_token(tiny_llama) -> None:
