@@ -57,14 +57,13 @@ def levels_within_ppl_increase(table: dict, max_ppl_increase_pct: float) -> list
     """Levels whose measured perplexity increase over full precision is at most
     `max_ppl_increase_pct`, in table order. The full-precision level always qualifies;
     a level without a measurement does not (its quality cost is unknown)."""
-    allowed = []
-    for level, row in table.get("levels", {}).items():
-        pct = row.get("ppl_increase_pct")
-        if level == table.get("full_precision") or (
-            isinstance(pct, (int, float)) and math.isfinite(pct) and pct <= max_ppl_increase_pct
-        ):
-            allowed.append(level)
-    return allowed
+    # The controller's rule, over the table read as the control loop reads it.
+    from controller.policy import allowed_quant_levels
+    from daemon.control_loop import quant_options
+
+    options = quant_options(tuple(table.get("levels", {})), table)
+    full_precision = table.get("full_precision", "")
+    return list(allowed_quant_levels(options, full_precision, max_ppl_increase_pct))
 
 
 # ---- measurements --------------------------------------------------------------------

@@ -602,7 +602,9 @@ class Controller:
         ceiling = self._active_ceiling(now_s, power_w, budget_w, telemetry.gpu_temp_c)
 
         allowed = allowed_quant_levels(
-            self.engine.quant_options, self.engine.full_precision_level, policy
+            self.engine.quant_options,
+            self.engine.full_precision_level,
+            policy.max_ppl_increase_pct,
         )
         level = base.quant_level or self.engine.full_precision_level
         if level not in allowed:

@@ -147,12 +147,12 @@ class QuantOption:
 
 
 def allowed_quant_levels(
-    options: tuple[QuantOption, ...], full_precision: str, policy: Policy
+    options: tuple[QuantOption, ...], full_precision: str, max_ppl_increase_pct: float | None
 ) -> tuple[str, ...]:
-    """The levels the policy allows: all when it sets no quality limit; else those whose
+    """The levels a quality limit allows: all when there is none (None); else those whose
     measured perplexity increase is within it. The full-precision level always qualifies;
-    an unmeasured level does not (its quality cost is unknown)."""
-    limit = policy.max_ppl_increase_pct
+    an unmeasured (or NaN) level does not (its quality cost is unknown)."""
+    limit = max_ppl_increase_pct
     out = []
     for opt in options:
         if limit is None or opt.level == full_precision:

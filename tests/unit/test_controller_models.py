@@ -168,10 +168,15 @@ def test_allowed_quant_levels_follow_the_measured_quality():
         QuantOption("bf16", None),
     )
     no_limit = Policy(300.0, 2000.0, 200.0)
-    assert allowed_quant_levels(options, "fp32", no_limit) == ("fp32", "int8", "int4", "bf16")
+    assert allowed_quant_levels(options, "fp32", no_limit.max_ppl_increase_pct) == (
+        "fp32",
+        "int8",
+        "int4",
+        "bf16",
+    )
     limited = no_limit.with_changes(max_ppl_increase_pct=2.0)
     # fp32 is the reference; bf16 is unmeasured, so its cost is unknown: not allowed.
-    assert allowed_quant_levels(options, "fp32", limited) == ("fp32", "int8")
+    assert allowed_quant_levels(options, "fp32", limited.max_ppl_increase_pct) == ("fp32", "int8")
 
 
 def test_constraints_validate():
