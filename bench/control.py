@@ -153,7 +153,7 @@ def calibrate(model: str, levels: tuple[str, ...], dtype: str, threads: int | No
     """Measure the real engine's steps at each level over a spread of batch shapes."""
     import torch
 
-    from bench.engine import corpus_token_ids
+    from bench.engine import corpus_token_ids, corpus_window
     from bench.quant import eval_text_file, perplexity
     from daemon.config import default_cache_dir
     from daemon.engine.engine import Engine, EngineOptions
@@ -193,10 +193,7 @@ def calibrate(model: str, levels: tuple[str, ...], dtype: str, threads: int | No
         base_ppl = base_ppl or ppl
         steps.clear()
         for n, prompt, new in shapes:
-            prompts = []
-            for _ in range(n):
-                start = rng.randrange(0, len(ids) - prompt)
-                prompts.append(ids[start : start + prompt])
+            prompts = [corpus_window(ids, prompt, rng) for _ in range(n)]
             params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
             engine.generate(prompts, params)
         rows = [
@@ -1018,7 +1015,7 @@ def measure_capacity(
 def measure_capacity_real(loaded: Any, level: str, mix: RequestMix, seconds: float) -> float:
     """Requests/s the real engine (max clock; caps 64/512) completes when kept saturated
     with the request mix, after a quarter of `seconds` of warm-up."""
-    from bench.engine import corpus_token_ids
+    from bench.engine import corpus_token_ids, corpus_window
     from daemon.engine.engine import Engine, EngineOptions
     from daemon.engine.request import SamplingParams
 
@@ -1037,14 +1034,13 @@ def measure_capacity_real(loaded: Any, level: str, mix: RequestMix, seconds: flo
     done: list[float] = []
 
     def add() -> None:
-        p = _prompt_tokens(rng, mix)
-        start = rng.randrange(0, len(ids) - p)
+        prompt = corpus_window(ids, _prompt_tokens(rng, mix), rng)
         params = SamplingParams(
             max_tokens=rng.randint(mix.output_min_tokens, mix.output_max_tokens),
             temperature=0.0,
             ignore_eos=True,
         )
-        engine.add_request(ids[start : start + p], params, on_output)
+        engine.add_request(prompt, params, on_output)
 
     def on_output(out) -> None:  # engine thread
         if out.finished and out.finish_reason != "abort":

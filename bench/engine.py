@@ -45,15 +45,16 @@ def corpus_token_ids(tokenizer, min_tokens: int) -> list[int]:
     return ids
 
 
+def corpus_window(ids: list[int], length: int, rng: random.Random) -> list[int]:
+    """`length` consecutive corpus tokens from a random start."""
+    start = rng.randrange(0, len(ids) - length)
+    return ids[start : start + length]
+
+
 def make_workload(tokenizer, n: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     ids = corpus_token_ids(tokenizer, max_len * 4)
-    prompts = []
-    for _ in range(n):
-        length = rng.randint(min_len, max_len)
-        start = rng.randrange(0, len(ids) - length)
-        prompts.append(ids[start : start + length])
-    return prompts
+    return [corpus_window(ids, rng.randint(min_len, max_len), rng) for _ in range(n)]
 
 
 def run_ours(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:

@@ -176,10 +176,9 @@ def _knobs(request: Request) -> Knobs:
     state = serving(request)
     engine = require_engine(state)
     limits = engine.limits
-    lock = None
-    if state.device_sampler is not None and state.device_sampler.latest() is not None:
-        held = state.device_sampler.latest().sm_clock_lock_mhz
-        lock = list(held) if held is not None else None
+    latest = state.device_sampler.latest() if state.device_sampler is not None else None
+    held = latest.sm_clock_lock_mhz if latest is not None else None
+    lock = list(held) if held is not None else None
     return Knobs(
         max_num_seqs=limits.max_num_seqs,
         max_num_batched_tokens=limits.max_num_batched_tokens,
