@@ -37,6 +37,7 @@ from daemon.device.protocol import DeviceError
 from daemon.engine.engine import Engine, EngineOptions
 from daemon.engine.loader import LoadError, load_model
 from daemon.engine.request import SamplingParams
+from daemon.feed import LiveFeed
 from daemon.sdnotify import Notifier, ProgressProbe, Watchdog, status_line
 
 log = logging.getLogger("wattserve.server")
@@ -47,6 +48,8 @@ _ABORT_FLUSH_S = 5.0
 _POLL_S = 0.05
 # How often systemd's STATUS= line is refreshed.
 _STATUS_INTERVAL_S = 5.0
+# The live feed's tick (the dashboard's stream, /metrics' window figures).
+_FEED_PERIOD_S = 1.0
 
 
 class _Server(uvicorn.Server):
@@ -82,6 +85,7 @@ class Daemon:
     ) -> None:
         self.cfg = cfg
         self.state = ServingState(cfg, resolve_api_token(cfg, environ))
+        self.feed = self.state.feed = LiveFeed(self.state, period_s=_FEED_PERIOD_S)
         self._build_engine = build_engine or self._load_and_build
         self._loop: asyncio.AbstractEventLoop | None = None
         self._shutdown: asyncio.Event | None = None
@@ -129,6 +133,11 @@ class Daemon:
             self.cfg.server.drain_timeout_s,
         )
         self.notifier.stopping(f"draining {self.state.in_flight} request(s)")
+        self.feed.publish_event(
+            "drain",
+            f"{why}: draining {self.state.in_flight} request(s)",
+            {"in_flight": self.state.in_flight},
+        )
         self._shutdown.set()
 
     # ---- the life ----------------------------------------------------------------------------
@@ -154,7 +163,9 @@ class Daemon:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(sig, self._on_signal, sig)
         code = 1
-        background: list[asyncio.Task[None]] = []
+        background: list[asyncio.Task[None]] = [
+            asyncio.create_task(self.feed.run(), name="live-feed")
+        ]
         try:
             while not server.started and not serve_task.done():
                 await asyncio.sleep(0.01)
@@ -194,8 +205,10 @@ class Daemon:
                 self.state.device_sampler.stop()
             if self.state.device is not None:
                 self.state.device.close(restore=True)  # settings this run changed go back
+            self.feed.publish_event("stop", f"stopped (exit code {code})", {"exit_code": code})
             for task in background:
                 task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
             self.notifier.close()
             self.state.phase = Phase.STOPPED
             self.ready.set()
@@ -251,6 +264,11 @@ class Daemon:
         if self.state.control_loop is not None:
             self.state.control_loop.start()
         self.notifier.ready(self._status())
+        self.feed.publish_event(
+            "start",
+            f"serving {self.state.served_model_name}",
+            {"model": self.state.served_model_name, "max_model_len": engine.max_model_len},
+        )
         log.info(
             "ready: model %s, context %d tokens, batch cap %d",
             self.state.served_model_name,
@@ -289,7 +307,7 @@ class Daemon:
         if device.capabilities().is_virtual:
             # The simulated clock acts on real steps: the engine waits out the stretch.
             engine.add_step_hook(device_step_hook(engine, device))
-        loop = ControlLoop.build(self.cfg.controller, engine, device)
+        loop = ControlLoop.build(self.cfg.controller, engine, device, sinks=[self.feed.on_decision])
         engine.add_step_hook(loop.on_step)  # after the stretch, so durations include it
         self.state.control_loop = loop
         return True

@@ -45,6 +45,7 @@ def create_app(state: ServingState, bound_host: str | None = None) -> FastAPI:
     )
     app.state.serving = state
     state.metrics.bind(lambda: state.engine, lambda: state.in_flight, lambda: state.is_ready)
+    state.metrics.bind_device(lambda: state)
 
     def count_invalid(request: Request) -> None:
         if request.url.path in _GENERATION_PATHS:

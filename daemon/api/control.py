@@ -11,7 +11,6 @@ This module must not make control decisions itself.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import secrets
 from typing import Annotated
 
@@ -154,22 +153,7 @@ async def get_policy(request: Request) -> Policy:
     tags=["control"],
 )
 async def put_policy(body: Policy, request: Request) -> Policy:
-    state = serving(request)
-    loop = state.control_loop
-    if loop is not None:
-        # The controller keeps the fields this body does not carry (percentile, objective).
-        current = loop.controller.policy
-        loop.set_policy(
-            dataclasses.replace(
-                current,
-                power_budget_w=body.power_budget_w,
-                ttft_slo_ms=body.ttft_slo_ms,
-                tpot_slo_ms=body.tpot_slo_ms,
-                mode=body.mode,
-            )
-        )
-    state.policy = body
-    return body
+    return serving(request).apply_policy(body, changed_by="http")
 
 
 def _knobs(request: Request) -> Knobs:

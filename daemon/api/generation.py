@@ -90,11 +90,14 @@ class GenerationStream:
         metrics.generation_tokens.inc(self.completion_tokens)
         e2e = now - self.arrival_s
         metrics.e2e.observe(e2e)
+        tpot_s = None
         if self._first_token_s is not None and self.completion_tokens > 1:
             tpot_s = (now - self._first_token_s) / (self.completion_tokens - 1)
             metrics.tpot.observe(tpot_s)
             if self.state.control_loop is not None:
                 self.state.control_loop.record_tpot_s(tpot_s)
+        if self._first_token_s is not None and self.state.feed is not None:
+            self.state.feed.record_request(self._first_token_s - self.arrival_s, tpot_s)
         self._release(e2e if reason in ("stop", "length") else None)
 
     def close(self) -> None:

@@ -4,16 +4,18 @@ Request-level figures (outcomes, tokens, TTFT/TPOT/ITL/E2E histograms) are recor
 the API as each request's events arrive; engine-level figures (running/waiting, KV-cache
 usage, batch caps, step durations) are read from the engine at scrape time or from its
 step hook. Names carry the `wattserve_` prefix and their unit. Device and controller
-figures join here when those parts exist; nothing here invents values it cannot measure.
+figures are read at scrape time from the latest reading and decision; nothing here
+invents values it cannot measure.
 This module only writes metrics: nothing may read serving state back from them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from daemon.engine.engine import Engine, StepStats
@@ -92,6 +94,107 @@ class _EngineCollector(Collector):
         )
 
 
+class _DeviceCollector(Collector):
+    """Device and controller gauges read at scrape time (absent until the device is open)."""
+
+    def __init__(self, state: Callable[[], Any]) -> None:
+        self._state = state
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._state()
+        policy = state.policy
+        yield GaugeMetricFamily(
+            f"{PREFIX}_power_budget_watts",
+            "Power budget of the policy in force",
+            value=policy.power_budget_w,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_ttft_slo_seconds",
+            "TTFT SLO of the policy in force",
+            value=policy.ttft_slo_ms / 1000.0,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_tpot_slo_seconds",
+            "TPOT SLO of the policy in force",
+            value=policy.tpot_slo_ms / 1000.0,
+        )
+        sampler = state.device_sampler
+        reading = sampler.latest() if sampler is not None else None
+        if reading is not None:
+            for name, help_text, value in (
+                ("gpu_power_watts", "GPU board power (latest reading)", reading.power_w),
+                ("gpu_temperature_celsius", "GPU core temperature", reading.gpu_temp_c),
+                (
+                    "gpu_thermal_margin_celsius",
+                    "Degrees left before slowdown",
+                    reading.thermal_margin_c,
+                ),
+                (
+                    "gpu_sm_clock_hertz",
+                    "SM clock",
+                    None if reading.sm_clock_mhz is None else reading.sm_clock_mhz * 1e6,
+                ),
+                ("gpu_power_limit_watts", "Power limit in force", reading.power_limit_w),
+                (
+                    "gpu_utilization_ratio",
+                    "GPU busy fraction",
+                    None if reading.gpu_util_pct is None else reading.gpu_util_pct / 100.0,
+                ),
+            ):
+                if value is not None:
+                    yield GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=value)
+            if reading.energy_j is not None:
+                yield CounterMetricFamily(
+                    f"{PREFIX}_gpu_energy_joules", "GPU energy counter", value=reading.energy_j
+                )
+            yield GaugeMetricFamily(
+                f"{PREFIX}_gpu_telemetry_stale",
+                "1 while the device reading is stale or lost",
+                value=1.0 if (reading.stale or reading.device_lost) else 0.0,
+            )
+        feed = getattr(state, "feed", None)
+        latest = feed.latest() if feed is not None else None
+        if latest is not None:
+            for name, help_text, value in (
+                (
+                    "energy_per_token_joules",
+                    "GPU energy per generated token over the last feed window",
+                    latest.serving.energy_per_token_j,
+                ),
+                (
+                    "slo_attainment_ratio",
+                    "Share of requests finished in the last feed window that met both SLOs",
+                    latest.latency.slo_attainment_ratio,
+                ),
+            ):
+                if value is not None:
+                    yield GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=value)
+        engine = state.engine
+        if engine is not None:
+            level = GaugeMetricFamily(
+                f"{PREFIX}_quant_level_info",
+                "1 for the weight quantization level in use",
+                labels=["level"],
+            )
+            level.add_metric([engine.quant_level], 1.0)
+            yield level
+        loop = state.control_loop
+        if loop is not None:
+            last = loop.controller.last_decision
+            if last is not None:
+                yield GaugeMetricFamily(
+                    f"{PREFIX}_controller_effective_budget_watts",
+                    "Power budget after thermal derating",
+                    value=last.effective_budget_w,
+                )
+                if last.knobs.sm_clock_mhz is not None:
+                    yield GaugeMetricFamily(
+                        f"{PREFIX}_controller_sm_clock_target_hertz",
+                        "SM clock the controller chose",
+                        value=last.knobs.sm_clock_mhz * 1e6,
+                    )
+
+
 class Metrics:
     """All metrics of one app; `render()` gives the Prometheus text format."""
 
@@ -142,6 +245,15 @@ class Metrics:
         self.preemptions = Counter(
             f"{PREFIX}_engine_preemptions", "Sequences preempted for KV-cache room", registry=r
         )
+        self.decisions = Counter(
+            f"{PREFIX}_controller_decisions",
+            "Controller decisions that changed a knob, the mode or the reason, by reason code",
+            ["reason"],
+            registry=r,
+        )
+        self.events = Counter(
+            f"{PREFIX}_events", "Events published on the live feed, by kind", ["kind"], registry=r
+        )
 
     def bind(
         self,
@@ -151,6 +263,10 @@ class Metrics:
     ) -> None:
         """Register the scrape-time gauges; called once by the app factory."""
         self.registry.register(_EngineCollector(engine, in_flight, ready))
+
+    def bind_device(self, state: Callable[[], Any]) -> None:
+        """Register the device and controller gauges (state() is the ServingState)."""
+        self.registry.register(_DeviceCollector(state))
 
     def on_step(self, stats: StepStats) -> None:
         """Engine step hook (runs on the engine thread; prometheus-client is thread-safe)."""

@@ -9,6 +9,7 @@ HTTP; handlers translate its refusals (`Unavailable`) into responses.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import os
@@ -54,6 +55,8 @@ class ServingState:
     device: Any | None = None
     device_sampler: Any | None = None
     control_loop: Any | None = None
+    # daemon.feed.LiveFeed: telemetry snapshots and events for the dashboard and MQTT.
+    feed: Any | None = None
     phase: Phase = Phase.LOADING
     policy: Policy = field(init=False)  # from [controller] until a PUT replaces it
     in_flight: int = 0
@@ -88,6 +91,32 @@ class ServingState:
         """Requests admitted at once: the running batch cap plus the bounded waiting queue."""
         running = self.engine.limits.max_num_seqs if self.engine is not None else 0
         return running + self.cfg.server.max_waiting_requests
+
+    def apply_policy(self, body: Policy, changed_by: str) -> Policy:
+        """The one path for a new policy (HTTP PUT, MQTT policy/set): hand it to the
+        controller, keep it for /v1/status, and say so on the live feed."""
+        loop = self.control_loop
+        if loop is not None:
+            # The controller keeps the fields this body does not carry (percentile, objective).
+            current = loop.controller.policy
+            loop.set_policy(
+                dataclasses.replace(
+                    current,
+                    power_budget_w=body.power_budget_w,
+                    ttft_slo_ms=body.ttft_slo_ms,
+                    tpot_slo_ms=body.tpot_slo_ms,
+                    mode=body.mode,
+                )
+            )
+        self.policy = body
+        if self.feed is not None:
+            self.feed.publish_event(
+                "policy_changed",
+                f"policy changed by {changed_by}: budget {body.power_budget_w:g} W, "
+                f"TTFT {body.ttft_slo_ms:g} ms, TPOT {body.tpot_slo_ms:g} ms, mode {body.mode}",
+                {"changed_by": changed_by, "policy": body.model_dump(mode="json")},
+            )
+        return body
 
     def admit(self) -> None:
         """Take one admission slot or raise Unavailable. Pair with release()."""

@@ -91,6 +91,7 @@ class DeviceFigures(_Payload):
     gpu_temp_c: float | None = None
     memory_temp_c: float | None = None
     thermal_margin_c: float | None = None
+    slowdown_temp_c: float | None = None  # where the GPU starts slowing itself down
     sm_clock_mhz: int | None = None
     mem_clock_mhz: int | None = None
     gpu_util_pct: float | None = None
@@ -108,6 +109,7 @@ class DeviceFigures(_Payload):
             gpu_temp_c=_finite(t.gpu_temp_c),
             memory_temp_c=_finite(t.memory_temp_c),
             thermal_margin_c=_finite(t.thermal_margin_c),
+            slowdown_temp_c=_finite(t.slowdown_temp_c),
             sm_clock_mhz=t.sm_clock_mhz,
             mem_clock_mhz=t.mem_clock_mhz,
             gpu_util_pct=_finite(t.gpu_util_pct),
