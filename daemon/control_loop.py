@@ -219,6 +219,9 @@ class ControlLoop:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.apply_failures: dict[str, int] = {}
+        # Iterations of the loop thread, failed ticks included: the systemd watchdog's
+        # progress counter (it watches for a hung thread; failures are logged).
+        self.ticks = 0
 
     @classmethod
     def build(
@@ -417,6 +420,7 @@ class ControlLoop:
                 self.tick()
             except Exception:  # keep controlling; the next tick starts afresh
                 log.exception("control loop: tick failed")
+            self.ticks += 1
             next_s += self.period_s
             now = self._clock()
             if next_s < now:
@@ -433,4 +437,5 @@ class ControlLoop:
             out = self.controller.status()
         out["apply_failures"] = dict(self.apply_failures)
         out["period_s"] = self.period_s
+        out["ticks"] = self.ticks
         return out
