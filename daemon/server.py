@@ -9,6 +9,9 @@ finish_reason "abort"); uvicorn and the engine thread are stopped and the proces
 0 with no threads left behind. A second signal exits at once. Signal handling is ours,
 not uvicorn's, because uvicorn would close the listening socket immediately and
 refuse new connections instead of answering them 503.
+With [mqtt] enabled, the MQTT link starts first (the broker sees `online`, phase
+loading), follows the phase, publishes the live feed's events and telemetry, takes
+`policy/set` through the same path as HTTP PUT, and says `offline` last.
 This module wires parts together; it must not hold API or engine logic.
 """
 
@@ -24,10 +27,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Generator
+from typing import Any
 
 import uvicorn
 
 from daemon.api.app import create_app
+from daemon.api.schemas import Policy
 from daemon.api.state import Phase, ServingState, resolve_api_token
 from daemon.config import Config, default_cache_dir
 from daemon.control_loop import ControlLoop
@@ -38,6 +43,8 @@ from daemon.engine.engine import Engine, EngineOptions
 from daemon.engine.loader import LoadError, load_model
 from daemon.engine.request import SamplingParams
 from daemon.feed import LiveFeed
+from daemon.mqtt import DeviceSummary, EventPayload, MqttLink
+from daemon.mqtt.metrics import MqttCollector
 from daemon.sdnotify import Notifier, ProgressProbe, Watchdog, status_line
 
 log = logging.getLogger("wattserve.server")
@@ -50,6 +57,8 @@ _POLL_S = 0.05
 _STATUS_INTERVAL_S = 5.0
 # The live feed's tick (the dashboard's stream, /metrics' window figures).
 _FEED_PERIOD_S = 1.0
+# The window the MQTT telemetry closes on the live feed (its own period, mqtt.*_ms).
+_MQTT_WINDOW = "mqtt"
 
 
 class _Server(uvicorn.Server):
@@ -98,6 +107,50 @@ class Daemon:
         self.notifier = Notifier.from_environ(environ)
         self.watchdog = Watchdog(self.notifier)
         self._last_status: tuple[int, float] | None = None  # (requests finished, time)
+        # Built here so that an unreadable password or TLS file stops the start, unbound.
+        self.mqtt = self._build_mqtt() if cfg.mqtt.enabled else None
+
+    # ---- MQTT ---------------------------------------------------------------------------------
+    def _build_mqtt(self) -> MqttLink:
+        feed = self.feed
+        link = MqttLink(
+            self.cfg.mqtt,
+            policy_handler=self._mqtt_policy_set,
+            telemetry_source=lambda: feed.snapshot(_MQTT_WINDOW),
+            # Rejections go through the feed like every event (the dashboard sees them too).
+            event_sink=lambda e: feed.publish_event(e.kind, e.message, e.data),
+        )
+        feed.add_listener(on_event=self._on_feed_event)
+        self.state.metrics.registry.register(MqttCollector(link))
+        link.set_policy(self.state.policy)
+        return link
+
+    def _mqtt_policy_set(self, fields: dict[str, Any]) -> Policy:
+        """policy/set: the HTTP control body's model, applied as a PUT is. The feed reports
+        the change (policy_changed, changed_by "mqtt"); a ValidationError rejects it."""
+        return self.state.apply_policy(Policy.model_validate(fields), changed_by="mqtt")
+
+    def _on_feed_event(self, event: EventPayload) -> None:
+        assert self.mqtt is not None
+        self.mqtt.publish_event(event)
+        if event.kind == "policy_changed":  # over HTTP or MQTT: the retained policy follows
+            self.mqtt.set_policy(self.state.policy)
+
+    def _set_phase(self, phase: Phase) -> None:
+        """The serving phase, for the API and for MQTT's retained status."""
+        self.state.phase = phase
+        if self.mqtt is not None:
+            device = self.state.device
+            self.mqtt.set_status(
+                phase=phase.value,
+                model=self._model_name(),
+                device=DeviceSummary.from_capabilities(device.capabilities())
+                if device is not None
+                else None,
+            )
+
+    def _model_name(self) -> str:
+        return self.state.served_model_name or self.cfg.engine.model
 
     # ---- engine construction (runs on a helper thread) ---------------------------------
     def _load_and_build(self) -> Engine:
@@ -124,7 +177,7 @@ class Daemon:
         if self._shutdown is None or self._shutdown.is_set():
             return
         # Refuse new work right here, before any await: /ready and new requests get 503 now.
-        self.state.phase = Phase.DRAINING
+        self._set_phase(Phase.DRAINING)
         self.state.drain_deadline_s = time.monotonic() + self.cfg.server.drain_timeout_s
         log.info(
             "%s: draining %d in-flight request(s) for up to %.0f s (signal again to exit now)",
@@ -167,6 +220,9 @@ class Daemon:
             asyncio.create_task(self.feed.run(), name="live-feed")
         ]
         try:
+            if self.mqtt is not None:
+                self._set_phase(self.state.phase)  # `online`, loading, once it connects
+                await self.mqtt.start()
             while not server.started and not serve_task.done():
                 await asyncio.sleep(0.01)
             if serve_task.done():
@@ -189,7 +245,7 @@ class Daemon:
                 code = 0
             return code
         finally:
-            self.state.phase = Phase.DRAINING  # whatever arrives while uvicorn stops gets 503
+            self._set_phase(Phase.DRAINING)  # whatever arrives while uvicorn stops gets 503
             server.should_exit = True
             with contextlib.suppress(Exception):
                 await serve_task
@@ -206,6 +262,8 @@ class Daemon:
             if self.state.device is not None:
                 self.state.device.close(restore=True)  # settings this run changed go back
             self.feed.publish_event("stop", f"stopped (exit code {code})", {"exit_code": code})
+            if self.mqtt is not None:
+                await self.mqtt.stop()  # the stop event goes out, then `offline`
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
@@ -246,14 +304,14 @@ class Daemon:
         engine.add_step_hook(self.state.metrics.on_step)
         engine.start()
         self.state.engine = engine
-        self.state.phase = Phase.WARMING
+        self._set_phase(Phase.WARMING)
         outcome = await self._until_shutdown(self._warm_up(engine))
         if outcome is None:
             return 0
         if outcome != "ok":
             log.error("cannot serve: warm-up generation failed (%s)", outcome)
             return 1
-        self.state.phase = Phase.READY
+        self._set_phase(Phase.READY)
         self.watchdog.add_probe(
             "engine loop",
             ProgressProbe(
@@ -261,8 +319,11 @@ class Daemon:
                 idle=lambda: engine.is_running and not engine.has_work(),
             ),
         )
-        if self.state.control_loop is not None:
-            self.state.control_loop.start()
+        control_loop = self.state.control_loop
+        if control_loop is not None:
+            control_loop.start()
+            # A hung control thread would leave the knobs wherever they were: restart.
+            self.watchdog.add_probe("control loop", ProgressProbe(lambda: control_loop.ticks))
         self.notifier.ready(self._status())
         self.feed.publish_event(
             "start",
@@ -288,7 +349,7 @@ class Daemon:
             rate = (finished - self._last_status[0]) / max(now_s - self._last_status[1], 1e-3)
         self._last_status = (finished, now_s)
         return status_line(
-            self.state.served_model_name or self.cfg.engine.model,
+            self._model_name(),
             requests_per_s=rate,
             power_budget_w=self.state.policy.power_budget_w,
             phase=self.state.phase.value,
@@ -309,6 +370,8 @@ class Daemon:
             engine.add_step_hook(device_step_hook(engine, device))
         loop = ControlLoop.build(self.cfg.controller, engine, device, sinks=[self.feed.on_decision])
         engine.add_step_hook(loop.on_step)  # after the stretch, so durations include it
+        # A policy set while the model loaded (a PUT, a retained policy/set) holds.
+        loop.set_policy(loop.controller.policy.with_changes(**self.state.policy.model_dump()))
         self.state.control_loop = loop
         return True
 

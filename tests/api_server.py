@@ -37,14 +37,22 @@ class RunningServer:
 
 
 def api_config(
-    server: dict[str, Any] | None = None, engine: dict[str, Any] | None = None
+    server: dict[str, Any] | None = None,
+    engine: dict[str, Any] | None = None,
+    **sections: dict[str, Any],
 ) -> Config:
-    """Defaults sized for a tiny model: a small KV pool and context."""
+    """Defaults sized for a tiny model: a small KV pool and context. Other sections
+    (device=, controller=, mqtt=) pass through; MQTT is off unless mqtt={"enabled": True}."""
     engine_cfg = {"kv_cache_bytes": 8 << 20, "max_model_len": 256, "default_max_tokens": 16}
     server_cfg = {"port": 0, "drain_timeout_s": 5.0, "log_level": "warning"}
     return load_config(
         None,
-        {"server": {**server_cfg, **(server or {})}, "engine": {**engine_cfg, **(engine or {})}},
+        {
+            **sections,
+            "server": {**server_cfg, **(server or {})},
+            "engine": {**engine_cfg, **(engine or {})},
+            "mqtt": {"enabled": False, **sections.get("mqtt", {})},
+        },
     )
 
 

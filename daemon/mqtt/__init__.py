@@ -4,7 +4,14 @@ The daemon builds one MqttLink, starts it on its event loop and feeds it write-o
 snapshots; nothing reads serving state back from it.
 """
 
-from daemon.mqtt.link import Backoff, LinkStats, MqttLink, PolicyHandler, TelemetrySource
+from daemon.mqtt.link import (
+    Backoff,
+    EventSink,
+    LinkStats,
+    MqttLink,
+    PolicyHandler,
+    TelemetrySource,
+)
 from daemon.mqtt.payloads import (
     DeviceFigures,
     DeviceSummary,
@@ -25,6 +32,7 @@ __all__ = [
     "DeviceFigures",
     "DeviceSummary",
     "EventKind",
+    "EventSink",
     "EventPayload",
     "KnobFigures",
     "LatencyFigures",

@@ -5,10 +5,11 @@ status summary) from any thread; they wait in a bounded outbox, so a slow or abs
 broker never blocks serving. While connected it publishes `status` (retained, with a
 Last Will `offline`), `policy` (retained), telemetry (QoS 0), events (QoS 1), optional
 Home Assistant discovery, and it hands `policy/set` messages to the daemon's policy
-handler, answering rejections with an event. On a lost connection it reconnects with
-capped exponential backoff and jitter, then republishes the retained topics and
-resubscribes. A clean stop flushes queued events, publishes `offline` and disconnects.
-It must not read serving state back, decide policy, or block the event loop.
+handler, answering rejections with an event (the handler reports accepted changes). On
+a lost connection it reconnects with capped exponential backoff and jitter, then
+republishes the retained topics and resubscribes. A clean stop flushes queued events,
+publishes `offline` and disconnects. It must not read serving state back, decide policy,
+or block the event loop.
 """
 
 from __future__ import annotations
@@ -48,9 +49,13 @@ from daemon.mqtt.payloads import (
 
 log = logging.getLogger("wattserve.mqtt")
 
-# Validates and applies a policy/set body (a dict of policy fields) and returns the
+# Validates and applies a policy/set body (a dict of policy fields), reports the change
+# (a `policy_changed` event, as any other policy change of the daemon) and returns the
 # policy now in force; raises pydantic.ValidationError or ValueError to reject it.
 PolicyHandler = Callable[[dict[str, Any]], PolicyLike]
+# Where the events the link itself raises (`policy_rejected`) go: by default straight to
+# its `events` topic; the daemon routes them through its live feed, which hands them back.
+EventSink = Callable[[EventPayload], None]
 # Builds one telemetry snapshot; None skips this tick. Runs on the event loop: be quick.
 TelemetrySource = Callable[[], TelemetryPayload | None]
 
@@ -147,6 +152,7 @@ class MqttLink:
     policy_handler: called on the loop with each `policy/set` body; without one the
     link does not subscribe. telemetry_source: called every mqtt.telemetry_interval_ms;
     without one, telemetry goes out only when publish_telemetry() is called.
+    event_sink: receives the link's own `policy_rejected` events; default publish_event.
     """
 
     def __init__(
@@ -155,6 +161,7 @@ class MqttLink:
         *,
         policy_handler: PolicyHandler | None = None,
         telemetry_source: TelemetrySource | None = None,
+        event_sink: EventSink | None = None,
         version: str | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -169,6 +176,7 @@ class MqttLink:
         self._tls = tls_context(cfg)
         self._policy_handler = policy_handler
         self._telemetry_source = telemetry_source
+        self._event_sink = event_sink or self.publish_event
         self._backoff = Backoff(
             cfg.reconnect_initial_ms / 1000.0, cfg.reconnect_max_ms / 1000.0, rng or random.Random()
         )
@@ -221,8 +229,9 @@ class MqttLink:
         """The policy in force, for the retained `policy` topic.
 
         With changed_by ("http", "controller", ...) a `policy_changed` event goes out
-        too; leave it None for the initial policy at start. Changes arriving over
-        `policy/set` are published by the link itself (changed_by "mqtt").
+        too; leave it None for the initial policy at start, and where the caller reports
+        changes itself (the daemon's live feed does). A change arriving over `policy/set`
+        is republished here; its event is the policy handler's to report.
         """
         payload = policy_payload(policy)
         with self._lock:
@@ -509,13 +518,13 @@ class MqttLink:
         with self._lock:
             self._counts["policy_set_accepted"] += 1
         log.info("mqtt: policy set over MQTT")
-        self.set_policy(applied, changed_by="mqtt")
+        self.set_policy(applied)
 
     def _reject(self, rejection: PolicySetRejected) -> None:
         with self._lock:
             self._counts["policy_set_rejected"] += 1
         log.warning("mqtt: policy/set rejected, nothing changed: %s", rejection)
-        self.publish_event(
+        self._event_sink(
             EventPayload(
                 kind="policy_rejected",
                 message=f"policy/set rejected, nothing changed: {rejection}"[:2000],

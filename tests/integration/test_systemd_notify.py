@@ -157,3 +157,46 @@ def test_frozen_engine_loop_stops_watchdog_pings(tiny_llama) -> None:
         frozen_at, resumed_at, pings,
     )
     assert len(after) >= 1, pings
+
+
+def test_frozen_control_loop_stops_watchdog_pings(tiny_llama) -> None:
+    """A hung control thread would leave the knobs wherever they were: systemd must see it."""
+    from tests.api_server import api_config, running_server
+
+    period_s = 0.8
+    interval_s = period_s / 2
+    freeze = threading.Event()
+    frozen_at: list[float] = []
+
+    with fake_notify_socket("abstract") as notify:
+        environ = {"NOTIFY_SOCKET": notify.address, "WATCHDOG_USEC": str(int(period_s * 1e6))}
+        cfg = api_config(device={"backend": "virtual"}, controller={"period_s": 0.1})
+        with running_server(cfg, tiny_llama, environ=environ) as srv:
+            loop = srv.daemon.state.control_loop
+            assert loop is not None
+            tick = loop.tick
+
+            def frozen_tick():  # the control thread hangs here while `freeze` is set
+                if freeze.is_set():
+                    frozen_at.append(time.monotonic())
+                    while freeze.is_set():
+                        time.sleep(0.01)
+                return tick()
+
+            loop.tick = frozen_tick
+            notify.wait_for("READY=1", 10)
+            time.sleep(interval_s * 2.5)
+            freeze.set()
+            time.sleep(interval_s * 4)
+            resumed_at = time.monotonic()
+            freeze.clear()
+            time.sleep(interval_s * 3)
+        notify.wait_for("STOPPING=1", 10)
+    assert frozen_at, "the control loop never ticked"
+    pings = [d.received_s for d in notify.datagrams if d.keys == ("WATCHDOG",)]
+    during = [t for t in pings if frozen_at[0] <= t < resumed_at]
+    assert len([t for t in pings if t < frozen_at[0]]) >= 2, pings
+    assert len(during) <= 1 and all(t <= frozen_at[0] + interval_s + 0.15 for t in during), (
+        frozen_at, resumed_at, pings,
+    )
+    assert [t for t in pings if t >= resumed_at], pings

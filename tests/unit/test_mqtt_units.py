@@ -359,6 +359,30 @@ def test_feeding_before_start_and_metrics_view() -> None:
     assert "wattserve_mqtt_connected 0.0" in text
 
 
+def test_policy_set_events_rejections_to_the_sink_changes_to_the_handler() -> None:
+    sunk: list[EventPayload] = []
+    applied: list[dict[str, Any]] = []
+
+    def handler(fields: dict[str, Any]) -> dict[str, Any]:
+        if fields.get("power_budget_w", 0) <= 0:
+            raise ValueError("power_budget_w must be > 0")
+        applied.append(fields)
+        return fields
+
+    link = MqttLink(MqttConfig(node_id="n"), policy_handler=handler, event_sink=sunk.append)
+    link._on_policy_set(b'{"power_budget_w": -1}')
+    link._on_policy_set(b"[1]")
+    assert [e.kind for e in sunk] == ["policy_rejected", "policy_rejected"]
+    assert "nothing changed" in sunk[0].message and not applied
+    link._on_policy_set(b'{"schema": 1, "power_budget_w": 5}')
+    # Accepted: the handler reports the change (the daemon, through its live feed); the
+    # link only republishes the retained policy, so the event is not doubled.
+    assert applied == [{"power_budget_w": 5}] and len(sunk) == 2
+    s = link.stats()
+    assert (s.queued_events, s.policy_set_accepted, s.policy_set_rejected) == (0, 1, 2)
+    assert json.loads(link._retained("policy")[0][1]) == {"schema": 1, "power_budget_w": 5}
+
+
 @dataclass
 class _FlakyClient:
     """Publishes into a list; the n-th publish fails as a lost connection does."""
