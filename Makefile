@@ -51,6 +51,16 @@ test-services:
 	  || echo "test-services: could not install$$pkgs; their tests will skip"; \
 	fi
 
+# Debian's chromium (and a font for its text) for the browser test in
+# tests/integration/test_dashboard.py, driven by Playwright (never `playwright install`);
+# where it cannot be installed, that test skips and says why.
+	@if ! test -x /usr/bin/chromium; then \
+	  echo "test-services: installing chromium"; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core >/dev/null; } \
+	  || echo "test-services: could not install chromium; the dashboard browser test will skip"; \
+	fi
+
 lint: install
 	$(BIN)/ruff check .
 

@@ -48,6 +48,9 @@ class ServerConfig(_Section):
     api_token: str | None = Field(None, description="Bearer token for /v1/control/*.")
     api_token_file: Path | None = None
     docs_enabled: bool = True
+    dashboard_enabled: bool = Field(
+        True, description="Serve the live dashboard (/) and its event stream (/v1/events/stream)."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 
