@@ -3,7 +3,8 @@
 On this CPU kind the oneDNN packed layout (the one torch's inductor uses) runs a
 [T, in] x [in, out] product about twice as fast as F.linear on a plain row-major
 weight at T = 1..64. Packing happens once at load; the forward then calls the packed
-kernel. Where oneDNN is absent (or on CUDA) the plain F.linear path is used.
+kernel. Where oneDNN is absent, refuses the dtype on this CPU (bf16 without AVX512-BW or
+AVX-NE-CONVERT), or on CUDA, the plain F.linear path is used.
 The reference for tests is F.linear on the unpacked weight.
 """
 
@@ -31,10 +32,16 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.packed = _can_pack(weight)
-        if self.packed:
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT_TOKENS)
-        else:
+        self.packed = False
+        if _can_pack(weight):
+            try:
+                self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT_TOKENS)
+                self.packed = True
+            except RuntimeError:
+                # oneDNN's bf16 path needs AVX512-BW or AVX-NE-CONVERT; without them the
+                # plain layout serves (torch's own bf16 GEMM).
+                pass
+        if not self.packed:
             self.weight = weight.contiguous()
         self.nbytes = weight.numel() * weight.element_size()
 
