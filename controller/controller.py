@@ -93,18 +93,24 @@ class ControllerParams:
     descend_hold_s after a move up, for a clock_gain_min_pct gain), the batch caps every
     batch_period_s, the quantization level after quant_dwell_s for a predicted gain of
     quant_gain_min_pct (a never-run level is tried for quant_explore_dwell_s; a level that
-    cannot cope for quant_stuck_s is left sooner). Margins: predictions must meet
-    slo_margin x SLO (x descend_margin for a lower clock) and power_margin x budget; the
-    board power limit is set to power_limit_margin x budget; a reading within
-    power_noise_tolerance over the budget is noise. Guards: a latency guard raises the
-    clock by guard_clock_steps candidates (at most every guard_cooldown_s) and holds that
-    floor for guard_hold_s; a power guard lowers the clock at once and holds that ceiling
-    for power_hold_s (anti-windup), released once power is under power_release_margin x
-    budget. Thermal: the budget is derated linearly from 1 at thermal_derate_start_c of
-    margin to thermal_derate_min at thermal_derate_full_c. Stale telemetry: hold for
-    stale_hold_s, then the fallback knobs. Learning: learning_min_steps steps and
-    learning_min_power_samples readings before the models are used; a clock counts as
-    seen after trust_min_samples steps, and trust reaches trust_clock_steps beyond.
+    cannot cope for quant_stuck_s is left sooner); a level's model is trusted up to
+    batch_trust_factor x the largest decode batch it has been fitted around (at least
+    batch_trust_min), and a switch needs that trust at the largest batch of the last
+    quant_peak_window_s; nothing switches while a queue is served or a guard holds, unless
+    the level has not coped for quant_stuck_busy_s. A prefill chunk's step at the clock in
+    force stays within chunk_step_slo_factor x the TPOT SLO and chunk_step_ttft_factor x the
+    TTFT SLO. Margins: predictions must meet slo_margin x SLO (x descend_margin for a lower
+    clock) and power_margin x budget; the board power limit is set to power_limit_margin x
+    budget; a reading within power_noise_tolerance over the budget is noise. Guards: a
+    latency guard raises the clock by guard_clock_steps candidates, or to the lowest clock
+    predicted to prefill the waiting queue within slo_margin x the TTFT SLO (at most every
+    guard_cooldown_s), and holds that floor for guard_hold_s; a power guard lowers the clock
+    at once and holds that ceiling for power_hold_s (anti-windup), released once power is
+    under power_release_margin x budget. Thermal: the budget is derated linearly from 1 at
+    thermal_derate_start_c of margin to thermal_derate_min at thermal_derate_full_c. Stale
+    telemetry: hold for stale_hold_s, then the fallback knobs. Learning: learning_min_steps
+    steps and learning_min_power_samples readings before the models are used; a clock counts
+    as seen after trust_min_samples steps, and trust reaches trust_clock_steps beyond.
     """
 
     batch_period_s: float = 2.0
@@ -118,6 +124,7 @@ class ControllerParams:
     descend_margin: float = 0.9
     descend_hold_s: float = 5.0
     chunk_step_slo_factor: float = 2.5
+    chunk_step_ttft_factor: float = 0.3
     slo_margin: float = 0.85
     power_margin: float = 0.95
     power_limit_margin: float = 0.98
@@ -139,6 +146,10 @@ class ControllerParams:
     learning_min_power_samples: int = 8
     trust_clock_steps: int = 2
     trust_min_samples: int = 10
+    batch_trust_factor: float = 1.5
+    batch_trust_min: int = 4
+    quant_peak_window_s: float = 120.0
+    quant_stuck_busy_s: float = 20.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -151,6 +162,9 @@ class ControllerParams:
             "power_limit_margin",
             "stale_hold_s",
             "power_release_margin",
+            "chunk_step_ttft_factor",
+            "batch_trust_factor",
+            "quant_peak_window_s",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ControllerParams.{name} must be > 0")
@@ -266,19 +280,25 @@ class Controller:
     and override the models: power over the thermally derated budget lowers the clock at
     once and holds that ceiling (anti-windup: nothing raises the clock above it until the
     hold has passed with power under the release margin; a re-trigger doubles the hold);
-    a growing queue or a measured TTFT/TPOT miss raises the clock at once (to the top for
-    a request waiting half its TTFT SLO), never above what the budget allows, and holds
-    that floor. Without a guard, three timescales: the clock each observation (the least
-    predicted J/token whose percentile TTFT/TPOT meet slo_margin x SLO and whose power
-    fits the budget; fast up, slow down: a lower clock needs a tighter margin, a gain of
-    clock_gain_min_pct and descend_hold_s since the last move up, and only clocks a few
-    candidates beyond those seen are trusted); the batch caps every batch_period_s; the
-    quantization level after quant_dwell_s for a quant_gain_min_pct gain (twice that to
-    go back), levels compared over the same clocks, a never-run level tried once (fastest
-    measured first), and an escape to the level with the most headroom when the current
-    one cannot cope for quant_stuck_s. Where the board power limit can hold the budget it
-    is set to it (the 100 ms backstop); below its range only the clock holds the budget,
-    with predicted peak phases. Idle: the lowest trusted clock whose predicted TTFT for
+    a growing queue, a waiting queue predicted to get its first tokens late at this clock
+    (feed-forward: the queued prompts' prefill, with arrivals meanwhile) or a measured
+    TTFT/TPOT miss raises the clock at once (to the top for a request waiting half its
+    TTFT SLO), never above what the budget allows, and holds that floor. Without a
+    guard, three timescales: the clock each observation (the least predicted J/token
+    whose percentile TTFT/TPOT meet slo_margin x SLO and whose power fits the budget;
+    fast up, slow down: a lower clock needs a tighter margin, a gain of clock_gain_min_pct
+    and descend_hold_s since the last move up, none while requests wait, and only clocks
+    a few candidates beyond those seen are trusted); the batch caps every batch_period_s
+    (the prefill chunk sized for the clock in force, so that no step outlasts a fraction
+    of the SLOs; a bigger chunk comes with a faster clock at once); the quantization
+    level after quant_dwell_s for a quant_gain_min_pct gain (twice that to go back),
+    levels compared over the same clocks, only on models that have seen batches like
+    the largest of the last quant_peak_window_s, never while a queue is served, a
+    never-run level tried once (fastest measured first), and when the current one cannot
+    cope for quant_stuck_s an escape to a level with more headroom, or a new trial of a
+    faster level whose model has not seen this load. Where the board power limit can hold
+    the budget it is set to it (the 100 ms backstop); below its range only the clock holds
+    the budget, with predicted peak phases. Idle: the lowest trusted clock whose predicted TTFT for
     the next arrival meets the SLO. Stale telemetry: hold, then the fallback knobs.
     """
 
@@ -320,6 +340,7 @@ class Controller:
         self._last_batch_s = -math.inf
         self._last_quant_switch_s: float | None = None
         self._explored: set[str] = set()
+        self._retried_s: dict[str, float] = {}  # when a known level was last tried again
         self._quant_left_s: dict[str, float] = {}  # when each level was last switched away from
         self._exploring: tuple[str, str] | None = None  # (level tried, level before)
         self._exploring_stuck = False  # the trial began because the level before could not cope
@@ -346,6 +367,11 @@ class Controller:
         self._feasible_since_s: float | None = None
         self._stuck_since_s: float | None = None
         self._infeasible_since_s: float | None = None
+        self._waiting_now = 0  # requests queued at the latest observation
+        self._running_now = 0  # and running
+        # (time, running) with running decreasing: the most running over the last
+        # quant_peak_window_s is the first entry (a monotonic queue).
+        self._running_peaks: deque[tuple[float, int]] = deque()
 
     # ---- public surface ----------------------------------------
 
@@ -426,11 +452,12 @@ class Controller:
         return model
 
     def _prior_step_model(self, level: str) -> StepTimeModel:
-        current = self._knobs.quant_level
-        base = self._step_models.get(current) if current else None
-        if base is None:
+        # The most practised other level (by the time a new level's first step arrives,
+        # the knobs in force already name the new level).
+        others = [m for lv, m in self._step_models.items() if lv != level and m.samples > 0]
+        if not others:
             return StepTimeModel(self.device.sm_clock_max_mhz)
-        return base.as_prior()
+        return max(others, key=lambda m: m.samples).as_prior()
 
     def _ingest(self, telemetry: Telemetry | None, stats: EngineStats, now_s: float) -> None:
         usable = telemetry is not None and telemetry.usable
@@ -456,6 +483,14 @@ class Controller:
             for x in stats.tpot_s:
                 self._tpot_ratio.add(now_s, x * 1000.0, self._pred_tpot_ms.value or 0.0)
         self._waiting_hist.append(stats.num_waiting)
+        self._waiting_now = stats.num_waiting
+        self._running_now = stats.num_running
+        peaks = self._running_peaks
+        while peaks and peaks[-1][1] <= stats.num_running:
+            peaks.pop()
+        peaks.append((now_s, stats.num_running))
+        while peaks and now_s - peaks[0][0] > self.params.quant_peak_window_s:
+            peaks.popleft()
         if usable:
             assert telemetry is not None
             slowdown = telemetry.hw_slowdown or telemetry.thermal_throttle
@@ -619,7 +654,7 @@ class Controller:
 
         # 4. Latency guards: queue growth or a measured SLO miss steps up at once.
         workload = self._workload.current()
-        latency = self._latency_guard(telemetry, stats, base, now_s, ceiling, budget_w)
+        latency = self._latency_guard(telemetry, stats, base, now_s, ceiling, budget_w, workload)
         if latency is not None:
             if self._exploring is not None and not self._exploring_stuck:
                 # A calm trial that hurts latency ends at once; a trial begun because the
@@ -797,6 +832,7 @@ class Controller:
         now_s: float,
         ceiling: int | None,
         budget_w: float,
+        workload: Workload,
     ) -> _Choice | None:
         p = self.params
         policy = self._policy
@@ -813,35 +849,71 @@ class Controller:
         )
         ttft_miss = [x for x in stats.ttft_s if x * 1000.0 > policy.ttft_slo_ms]
         tpot_miss = [x for x in stats.tpot_s if x * 1000.0 > policy.tpot_slo_ms]
-        if not (growing or long_wait or ttft_miss or tpot_miss):
+        clock = knobs.sm_clock_mhz or self.device.sm_clock_max_mhz
+        # Feed-forward on the queue: the prompts waiting now, prefilled in chunks beside
+        # the running batch at this clock, would bring the newest past slo_margin x its
+        # TTFT SLO (the oldest has already waited): step up before anyone misses.
+        level = knobs.quant_level or self.engine.full_precision_level
+        late_s = p.slo_margin * policy.ttft_slo_ms / 1000.0
+        drain_s = self._drain_s(level, clock, stats, knobs, workload)
+        queue_late = drain_s is not None and drain_s > late_s
+        if not (growing or long_wait or queue_late or ttft_miss or tpot_miss):
             return None
         if now_s - self._last_guard_s < p.guard_cooldown_s:
             # Still within the cooldown of the last step up: keep its floor, no new step.
             return None
         top = ceiling if ceiling is not None else self.device.sm_clock_max_mhz
-        clock = knobs.sm_clock_mhz or self.device.sm_clock_max_mhz
         # The budget wins over latency: never above what the power model says fits it.
         top = min(top, max(self._safe_clock(budget_w, telemetry.gpu_temp_c), self._snap(clock)))
         # A request already waiting half its TTFT SLO cannot wait for a staircase: jump to
-        # the top; otherwise step up by guard_clock_steps candidates.
+        # the top; otherwise step up by guard_clock_steps candidates, or (a late queue) to
+        # the lowest clock predicted to drain it in time.
         step = len(self._clocks) if long_wait else p.guard_clock_steps
         target = min(self._move(self._snap(clock), step), top)
+        if queue_late and not long_wait:
+            drain_at = top
+            for f in self._clocks:
+                if f <= clock or f > top:
+                    continue
+                d = self._drain_s(level, f, stats, knobs, workload)
+                if d is not None and d <= late_s:
+                    drain_at = f
+                    break
+            if not (growing or ttft_miss or tpot_miss):
+                target = min(self._move(self._snap(clock), 1), top)
+            target = max(target, drain_at)
         seqs = knobs.max_num_seqs
         if (growing or long_wait) and stats.num_running >= knobs.max_num_seqs and not tpot_miss:
             seqs = min(self.engine.max_num_seqs_max, max(seqs + 1, math.ceil(seqs * 1.5)))
         tokens = knobs.max_num_batched_tokens
+        if (
+            target > clock
+            and self._step_model(level).samples >= p.learning_min_steps
+            and self._hw_limit_enforces(budget_w)
+        ):
+            # A faster clock takes a bigger chunk within the same step time (never smaller
+            # here: the next batch-cap update may shrink it once the guard has let go).
+            # Not where only the clock holds the budget: a bigger chunk draws more.
+            bigger = self._chunk_cap(
+                level, target, max(1, stats.num_running), workload.mean_context_tokens
+            )
+            tokens = max(tokens, bigger)
         if (target, seqs, tokens) == (clock, knobs.max_num_seqs, knobs.max_num_batched_tokens):
             return None  # nothing left to raise: let the optimizer keep its choice
         self._last_guard_s = now_s
         self._floor_mhz = target
         self._floor_until_s = now_s + p.guard_hold_s
-        if growing or long_wait:
+        if growing or long_wait or queue_late:
             code = Reason.QUEUE_GROWTH
-            what = (
-                f"waiting queue growing ({'→'.join(map(str, hist[-p.queue_growth_ticks - 1 :]))})"
-                if growing
-                else f"oldest request waiting {stats.oldest_waiting_s:.2f} s"
-            )
+            if growing:
+                what = f"waiting queue growing ({'→'.join(map(str, hist[-k - 1 :]))})"
+            elif long_wait:
+                what = f"oldest request waiting {stats.oldest_waiting_s:.2f} s"
+            else:
+                what = (
+                    f"{stats.num_waiting} waiting would see their first token in "
+                    f"{1000.0 * (drain_s or 0.0):.0f} ms at {clock} MHz"
+                )
         else:
             code = Reason.SLO_MISS
             parts = []
@@ -943,6 +1015,57 @@ class Controller:
             return False
         return pr.peak_power_w * self._peak_ratio.ratio(self._now_s, PEAK_PERCENTILE) <= limit
 
+    @property
+    def _running_peak(self) -> int:
+        """The most requests running at once over the last quant_peak_window_s."""
+        return self._running_peaks[0][1] if self._running_peaks else self._running_now
+
+    def _drain_s(
+        self, level: str, clock: int, stats: EngineStats, knobs: Knobs, workload: Workload
+    ) -> float | None:
+        """When the newest waiting request would see its first token at this clock: the
+        oldest's wait so far plus the prefill of every waiting prompt (the mean prompt
+        each), in chunks of what the token cap leaves beside the running batch, stretched
+        by the prompts still arriving meanwhile (1 / (1 - share of the time their prefill
+        takes); inf when that share reaches 1). None without a queue or a trained model."""
+        model = self._step_models.get(level)
+        if stats.num_waiting <= 0 or model is None:
+            return None
+        if model.samples < self.params.learning_min_steps:
+            return None
+        ctx = workload.mean_context_tokens
+        co = model.coefficients(clock, ctx)
+        running = stats.num_running
+        room = max(knobs.max_num_batched_tokens - running, self.engine.max_num_batched_tokens_min)
+        queued = stats.num_waiting * workload.mean_prompt_tokens
+        chunk_s = co.step_s(room, running, running * ctx)
+        full, rest = divmod(queued, room)
+        total = full * chunk_s
+        if rest > 0:
+            total += co.step_s(rest, running, running * ctx)
+        arriving = workload.prompt_tokens_per_s * chunk_s / room
+        if arriving >= 1.0:
+            return math.inf
+        return (stats.oldest_waiting_s or 0.0) + total / (1.0 - arriving)
+
+    def _batch_trusted(self, pr: Prediction, batch: int | None = None) -> bool:
+        """A level's prediction rests on steps of about that decode batch: no more than
+        batch_trust_factor x the largest batch its model has been fitted around (levels
+        tried briefly at a calm moment know little of a burst's batches). The batch is
+        at least `batch` (default: the one running now): a model that underestimates a
+        level's step also predicts it a small batch, and would vouch for itself."""
+        need = max(pr.decode_batch, self._running_now if batch is None else batch)
+        return need <= self._trusted_batch(pr.quant_level)
+
+    def _trusted_batch(self, level: str) -> float:
+        """The largest decode batch a level's model is trusted at (0 without a model)."""
+        p = self.params
+        model = self._step_models.get(level)
+        if model is None:
+            return 0.0
+        seen = model.batch_seen(p.trust_min_samples)
+        return max(p.batch_trust_min, p.batch_trust_factor * seen)
+
     def _score(self, pr: Prediction) -> float:
         if self._policy.objective == Objective.MIN_LATENCY:
             return pr.tpot_ms / self._policy.tpot_slo_ms + pr.ttft_ms / self._policy.ttft_slo_ms
@@ -1016,7 +1139,7 @@ class Controller:
         # Batch caps, every batch_period_s.
         if now_s - self._last_batch_s >= p.batch_period_s:
             self._last_batch_s = now_s
-            seqs, tokens = self._choose_caps(level, clock_now, workload, knobs, now_s)
+            seqs, tokens = self._choose_caps(level, clock_now, workload, knobs, now_s, budget_w)
             if (seqs, tokens) != (knobs.max_num_seqs, knobs.max_num_batched_tokens):
                 notes.append(
                     f"caps {knobs.max_num_seqs}/{knobs.max_num_batched_tokens} -> {seqs}/{tokens}"
@@ -1080,8 +1203,13 @@ class Controller:
         ):
             gain = 100.0 * (1.0 - best.j_per_token / now_pred.j_per_token)
         may_change = now_s - self._last_clock_change_s >= p.clock_min_interval_s
-        # Fast up, slow down: after any move up, no move down for descend_hold_s.
-        may_descend = may_change and now_s - self._last_clock_up_s >= p.descend_hold_s
+        # Fast up, slow down: after any move up, no move down for descend_hold_s, and none
+        # while requests queue (the model's steady state is not what they see).
+        may_descend = (
+            may_change
+            and now_s - self._last_clock_up_s >= p.descend_hold_s
+            and self._waiting_now == 0
+        )
         if now_ok:
             self._infeasible_since_s = None
         if feasible and now_ok:
@@ -1111,6 +1239,21 @@ class Controller:
         if target != clock_now and move:
             notes.append(f"clock {clock_now} -> {target} MHz ({why})")
             knobs = knobs.with_changes(sm_clock_mhz=target)
+            if target > clock_now and self._hw_limit_enforces(budget_w):
+                # A faster clock takes a bigger prefill chunk at once (a smaller one waits
+                # for the batch-cap timescale; and not where only the clock holds the
+                # budget: a bigger chunk draws more power).
+                bigger = self._chunk_cap(
+                    level,
+                    target,
+                    max(1, min(knobs.max_num_seqs, math.ceil(best.decode_batch))),
+                    workload.mean_context_tokens,
+                )
+                if bigger > knobs.max_num_batched_tokens:
+                    notes.append(
+                        f"max_num_batched_tokens {knobs.max_num_batched_tokens} -> {bigger}"
+                    )
+                    knobs = knobs.with_changes(max_num_batched_tokens=bigger)
             if code is Reason.STEADY:
                 code = Reason.OPTIMIZE
             chosen = best
@@ -1120,20 +1263,28 @@ class Controller:
         return _Choice(state, knobs, code, f"{reason} [{chosen.describe()}]", chosen)
 
     def _choose_caps(
-        self, level: str, clock: int, workload: Workload, knobs: Knobs, now_s: float
+        self,
+        level: str,
+        clock: int,
+        workload: Workload,
+        knobs: Knobs,
+        now_s: float,
+        budget_w: float,
     ) -> tuple[int, int]:
         """max_num_seqs: the most sequences whose decode step still meets the TPOT SLO by
         the model's mean at the top clock (so a burst queues instead of slowing everyone
         past it), never below twice the batch the load needs. max_num_batched_tokens: the
-        largest power-of-two fraction of the configured chunk whose step stays within
-        chunk_step_slo_factor x the TPOT SLO (a bigger chunk shortens TTFT)."""
+        chunk cap at the clock in force (_chunk_cap; a step once started runs at the clock
+        it started at, and no decision comes while it runs). Neither shrinks while a queue
+        is served or a guard holds; the chunk does not grow where only the clock holds the
+        budget (a bigger chunk draws more power at the same clock)."""
         p = self.params
         e = self.engine
         # At the top clock: a guard can raise the clock to serve a burst, so the caps must
         # not shrink just because the optimizer (or the budget) holds a low clock now.
-        co = self._step_model(level).coefficients(self.device.sm_clock_max_mhz)
-        slo_s = self._policy.tpot_slo_ms / 1000.0
         ctx = workload.mean_context_tokens
+        co = self._step_model(level).coefficients(self.device.sm_clock_max_mhz, ctx)
+        slo_s = self._policy.tpot_slo_ms / 1000.0
         seqs = 1
         for n in range(1, e.max_num_seqs_max + 1):
             if co.step_s(0, n, n * ctx) > slo_s:
@@ -1148,17 +1299,36 @@ class Controller:
         seqs = min(e.max_num_seqs_max, max(seqs, math.ceil(2 * batch), 1))
         if abs(seqs - knobs.max_num_seqs) < max(2, 0.25 * knobs.max_num_seqs):
             seqs = knobs.max_num_seqs  # small changes are not worth a knob change
-        # The largest chunk whose step (with that batch) stays within chunk_step_slo_factor
-        # x the TPOT SLO at the top clock: a prefill chunk stalls every decode for a step.
+        if seqs < knobs.max_num_seqs and (
+            self._waiting_now > 0 or now_s - self._last_guard_s < p.guard_hold_s
+        ):
+            seqs = knobs.max_num_seqs  # no smaller batch while a queue is being served
+        tokens = self._chunk_cap(level, clock, min(seqs, max(1, math.ceil(batch))), ctx)
+        if tokens < knobs.max_num_batched_tokens and now_s - self._last_guard_s < p.guard_hold_s:
+            tokens = knobs.max_num_batched_tokens  # not while a guard is holding
+        if tokens > knobs.max_num_batched_tokens and not self._hw_limit_enforces(budget_w):
+            tokens = knobs.max_num_batched_tokens
+        return seqs, tokens
+
+    def _chunk_cap(self, level: str, clock: int, batch: int, ctx: float) -> int:
+        """The largest power-of-two fraction of the configured chunk whose step (beside a
+        decode batch of `batch`) stays within chunk_step_slo_factor x the TPOT SLO at this
+        clock: a prefill chunk stalls every decode for a step, and at a low clock a full
+        chunk takes seconds (prefill is compute-bound); and within chunk_step_ttft_factor
+        x the TTFT SLO: a prompt arriving as a full chunk starts waits for it, then for
+        its own."""
+        p, e = self.params, self.engine
+        co = self._step_model(level).coefficients(clock, ctx)
+        step_max_s = min(
+            p.chunk_step_slo_factor * self._policy.tpot_slo_ms / 1000.0,
+            p.chunk_step_ttft_factor * self._policy.ttft_slo_ms / 1000.0,
+        )
         tokens = e.max_num_batched_tokens_max
-        n = min(seqs, max(1, math.ceil(batch)))
         while tokens > e.max_num_batched_tokens_min:
-            if co.step_s(tokens, n, n * ctx) <= p.chunk_step_slo_factor * slo_s:
+            if co.step_s(tokens, batch, batch * ctx) <= step_max_s:
                 break
             tokens = max(e.max_num_batched_tokens_min, tokens // 2)
-        if tokens != knobs.max_num_batched_tokens and now_s - self._last_guard_s < p.guard_hold_s:
-            tokens = knobs.max_num_batched_tokens  # not while a guard is holding
-        return seqs, tokens
+        return tokens
 
     def _best_allowed_level(self, allowed: tuple[str, ...], current: str) -> str:
         if self.engine.full_precision_level in allowed:
@@ -1177,10 +1347,16 @@ class Controller:
     ) -> _Choice | None:
         """The slowest timescale. A known level replaces the current one after
         quant_dwell_s for a quant_gain_min_pct predicted gain, compared only at clocks each
-        level was seen at (no extrapolation across levels). A level never run is tried for
+        level was seen at (no extrapolation across levels) and only where its model has
+        seen batches like the largest of the last quant_peak_window_s (a model fitted on
+        small batches flatters a level at large ones). A level never run is tried for
         quant_explore_dwell_s when the load is calm, and kept only if then predicted
         better. When the current level cannot meet the targets at any trusted clock, both
-        happen after quant_explore_dwell_s and without the gain threshold."""
+        happen after quant_explore_dwell_s and without the gain threshold, and a level
+        measured faster whose model has not seen the batches running now is tried again.
+        Nothing switches while requests wait or a latency guard holds (unless the level
+        has not coped for quant_stuck_busy_s); a switch keeps the clock in force when that
+        is higher (the optimizer walks it down)."""
         p = self.params
         level = base.quant_level or self.engine.full_precision_level
         if self._last_quant_switch_s is None:
@@ -1188,27 +1364,50 @@ class Controller:
             return None
         since = now_s - self._last_quant_switch_s
 
-        def best_for(lv: str, compare: bool) -> Prediction | None:
+        def best_for(
+            lv: str, compare: bool, other: str | None = None, batch: int | None = None
+        ) -> Prediction | None:
             # Levels are compared over the clocks either has been trusted at: a level tried
             # only briefly (near the top clock) starts from the clock sensitivity learned
             # for the other one (StepTimeModel.as_prior), so it is judged where the other
             # already runs, not only where it was tried.
             clocks = self._clock_range(lv, now_s, ceiling)
             if compare:
-                clocks = sorted(set(clocks) | set(self._clock_range(level, now_s, ceiling)))
+                against = self._clock_range(other or level, now_s, ceiling)
+                clocks = sorted(set(clocks) | set(against))
             preds = [
                 self._predict(lv, f, base.max_num_seqs, base.max_num_batched_tokens, workload, temp)
                 for f in clocks
             ]
-            ok = [pr for pr in preds if self._feasible(pr, budget_w)]
+            ok = [
+                pr
+                for pr in preds
+                if self._feasible(pr, budget_w) and (lv == level or self._batch_trusted(pr, batch))
+            ]
             return min(ok, key=self._score) if ok else None
 
         def switch(to: Prediction, why: str) -> _Choice:
             self._last_quant_switch_s = now_s
             self._quant_left_s[level] = now_s
+            # A new level starts no lower than the clock in force: its model is the less
+            # tried one, so the clock optimizer walks it down afterwards (slowly), rather
+            # than the switch doing both at once.
+            clock = to.sm_clock_mhz
+            here = base.sm_clock_mhz or self.device.sm_clock_max_mhz
+            if here > clock:
+                at_here = self._predict(
+                    to.quant_level,
+                    here,
+                    base.max_num_seqs,
+                    base.max_num_batched_tokens,
+                    workload,
+                    temp,
+                )
+                if self._within_budget(at_here, budget_w):
+                    clock = here
             return _Choice(
                 ControllerState.TRACKING,
-                base.with_changes(quant_level=to.quant_level, sm_clock_mhz=to.sm_clock_mhz),
+                base.with_changes(quant_level=to.quant_level, sm_clock_mhz=clock),
                 Reason.QUANT_SWITCH,
                 f"quantization {level} -> {to.quant_level}: {why} [{to.describe()}]",
                 to,
@@ -1222,7 +1421,8 @@ class Controller:
             # The trial is over: keep the level tried only if it is predicted better.
             self._exploring = None
             self._last_quant_switch_s = now_s
-            mine, theirs = best_for(tried, True), best_for(before, True)
+            # Both over the same clocks: the union of where either has been trusted.
+            mine, theirs = best_for(tried, True, before), best_for(before, True, tried)
             if theirs is not None and (mine is None or self._score(theirs) <= self._score(mine)):
                 return switch(theirs, f"the trial of {tried} predicts no gain")
             return None
@@ -1235,9 +1435,20 @@ class Controller:
             self._stuck_since_s = now_s
         # Stuck: no trusted clock of this level has met the targets for quant_stuck_s.
         stuck = self._stuck_since_s is not None and now_s - self._stuck_since_s >= p.quant_stuck_s
+        busy = self._waiting_now > 0 or now_s - self._last_guard_s < p.guard_hold_s
+        stuck_for = now_s - self._stuck_since_s if self._stuck_since_s is not None else 0.0
+        stuck_long = stuck_for >= max(p.quant_stuck_s, p.quant_stuck_busy_s)
+        if busy and not stuck_long:
+            # Not while a queue is served: a switch costs, its gain rests on the less tried
+            # level's model, and the percentile ratios start again; the clock serves a
+            # queue faster. Unless the level has not coped for quant_stuck_busy_s.
+            return None
         if since >= (p.quant_explore_dwell_s if stuck else p.quant_dwell_s):
+            # Only levels whose models have seen batches like the largest of the last
+            # quant_peak_window_s: the level is the slow knob, and the load comes back.
+            peak = self._running_peak
             known = [
-                best_for(lv, True)
+                best_for(lv, True, batch=peak)
                 for lv in allowed
                 if lv != level
                 and lv in self._step_models
@@ -1262,11 +1473,15 @@ class Controller:
                     return max(pr.ttft_ms / pol.ttft_slo_ms, pr.tpot_ms / pol.tpot_slo_ms)
 
                 others = [
-                    headroom(lv)
-                    for lv in allowed
-                    if lv != level
-                    and lv in self._step_models
-                    and self._step_models[lv].samples >= p.learning_min_steps
+                    pr
+                    for pr in (
+                        headroom(lv)
+                        for lv in allowed
+                        if lv != level
+                        and lv in self._step_models
+                        and self._step_models[lv].samples >= p.learning_min_steps
+                    )
+                    if self._batch_trusted(pr, peak)
                 ]
                 if others:
                     ahead = min(others, key=load)
@@ -1289,23 +1504,41 @@ class Controller:
                 if self._score(best) < cur * (1.0 - need / 100.0):
                     gain = (1 - self._score(best) / cur) * 100
                     return switch(best, f"predicted {gain:.0f}% better after a {since:.0f} s dwell")
-        # Levels never run have no model of their own: try each once.
+
+        # Levels never run have no model of their own: try each once. When the current level
+        # cannot cope, a level measured faster (bench quant's decode speed) whose model has
+        # not seen batches like those running now is tried again at this load (at most once
+        # per quant_peak_window_s): its model, not trusted there, learns them.
+        def hint(lv: str) -> tuple[float, int]:
+            # Fastest measured first, then the lightest weights.
+            opt = self._levels.get(lv)
+            speed = opt.decode_tok_s if opt is not None and opt.decode_tok_s else 0.0
+            return (-speed, opt.weight_bytes if opt is not None else 0)
+
         unexplored = [
             lv
             for lv in allowed
             if lv != level and lv not in self._explored and lv not in self._step_models
         ]
+        what = "never measured here"
+        if not unexplored and stuck:
+            unexplored = [
+                lv
+                for lv in allowed
+                if lv != level
+                and lv in self._step_models
+                and self._running_now > self._trusted_batch(lv)
+                and now_s - self._retried_s.get(lv, -math.inf) >= p.quant_peak_window_s
+                and (hint(lv)[0] < hint(level)[0] or hint(lv)[0] == 0.0)
+            ]
+            what = f"not measured at batches of {self._running_now} yet"
         steady_s = now_s - self._feasible_since_s if self._feasible_since_s is not None else 0.0
         calm = now_s - self._last_guard_s >= p.guard_hold_s and steady_s >= 5.0
         if unexplored and since >= p.quant_explore_dwell_s and (calm or stuck):
-            # Fastest measured first, then the lightest weights.
-            def hint(lv: str) -> tuple[float, int]:
-                opt = self._levels.get(lv)
-                speed = opt.decode_tok_s if opt is not None and opt.decode_tok_s else 0.0
-                return (-speed, opt.weight_bytes if opt is not None else 0)
-
             order = sorted(unexplored, key=hint)
             target = order[0]
+            if target in self._explored:
+                self._retried_s[target] = now_s
             self._explored.add(target)
             self._exploring = (target, level)
             self._exploring_stuck = stuck
@@ -1315,7 +1548,7 @@ class Controller:
                 ControllerState.TRACKING,
                 base.with_changes(quant_level=target),
                 Reason.QUANT_EXPLORE,
-                f"quantization {level} -> {target}: never measured here; trying it for "
+                f"quantization {level} -> {target}: {what}; trying it for "
                 f"{p.quant_explore_dwell_s:g} s (latency guards stay armed)"
                 + ("; the current level cannot meet the targets" if stuck else ""),
             )

@@ -131,12 +131,21 @@ class StepTimeModel:
         self.f_max = float(sm_clock_max_mhz)
         self.rls = RecursiveLeastSquares([0.0] * 8, p0=1.0, forgetting=forgetting)
         self.samples_by_clock: dict[int, int] = {}
+        # Steps seen by decode batch, in power-of-two buckets (1, 2-3, 4-7, ...): a model
+        # fitted on small batches says little about large ones.
+        self.samples_by_batch: dict[int, int] = {}
 
-    def as_prior(self) -> StepTimeModel:
+    def as_prior(self, stretch_p0: float = 0.01) -> StepTimeModel:
         """A fresh model for another level that starts from this one's estimate but has
-        seen nothing (so the controller learns before it trusts it)."""
+        seen nothing (so the controller learns before it trusts it). The top-clock costs
+        start loose; the clock sensitivity starts firm (variance stretch_p0): a trial runs
+        at a few neighbouring clocks, which pins the costs there but says little about how
+        they stretch lower down, so that stays the other level's until steps at clocks
+        well apart teach it."""
         other = StepTimeModel(int(self.f_max))
         other.rls.theta = list(self.rls.theta)
+        for k in range(4, 8):
+            other.rls.p[k][k] = stretch_p0
         return other
 
     def learn(self, step: StepRecord, clock_mhz: int) -> None:
@@ -144,14 +153,41 @@ class StepTimeModel:
         x = _step_features(ratio, step.prefill_tokens, step.decode_tokens, step.context_tokens)
         self.rls.update(x, step.duration_s)
         self.samples_by_clock[clock_mhz] = self.samples_by_clock.get(clock_mhz, 0) + 1
+        if step.decode_tokens >= 1:
+            bucket = 1 << (int(step.decode_tokens).bit_length() - 1)
+            self.samples_by_batch[bucket] = self.samples_by_batch.get(bucket, 0) + 1
 
     @property
     def samples(self) -> int:
         return self.rls.updates
 
-    def coefficients(self, clock_mhz: float) -> StepCoefficients:
+    def batch_seen(self, min_samples: int) -> int:
+        """The largest decode batch the model has been fitted around: the top of the
+        highest power-of-two bucket with at least min_samples steps at or above it (0
+        when it has seen fewer decode steps than that)."""
+        total = 0
+        for bucket in sorted(self.samples_by_batch, reverse=True):
+            total += self.samples_by_batch[bucket]
+            if total >= min_samples:
+                return 2 * bucket - 1
+        return 0
+
+    def coefficients(
+        self, clock_mhz: float, context_per_decode: float | None = None
+    ) -> StepCoefficients:
+        """The per-token costs at this clock. With context_per_decode (the context each
+        decode token reads, as the workload has it), the context cost is folded into the
+        decode cost before costs are kept >= 0: a batch's decode and context counts are
+        nearly collinear, so the estimate may trade one against the other (a negative
+        decode cost beside a positive context cost), and clipping each on its own would
+        predict far too long a step. Callers then pass context = decode x that value."""
         stretch = max(self.f_max / max(clock_mhz, 1.0) - 1.0, 0.0)
-        th = self.rls.theta
+        th = list(self.rls.theta)
+        if context_per_decode is not None:
+            fold = max(context_per_decode, 0.0) * _DECODE_SCALE / _CONTEXT_SCALE
+            for k in (2, 6):  # top-clock and clock-stretch parts
+                th[k] = th[k] + th[k + 1] * fold
+                th[k + 1] = 0.0
         per = [max(th[k], 0.0) + max(th[k + 4], 0.0) * stretch for k in range(4)]
         return StepCoefficients(
             base_s=max(per[0], 0.0),
@@ -433,8 +469,8 @@ def predict(
     step time. Percentiles come from the
     learned ratios. Power from the power model at the predicted busy shares.
     """
-    co = step_model.coefficients(clock_mhz)
     w = workload
+    co = step_model.coefficients(clock_mhz, w.mean_context_tokens)
     per_decode = co.per_decode_token_s + co.per_context_token_s * w.mean_context_tokens
     u = co.per_prefill_token_s * w.prompt_tokens_per_s + per_decode * w.output_tokens_per_s
     stable = u < 0.95

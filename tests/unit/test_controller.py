@@ -496,3 +496,134 @@ def test_status_is_json_ready():
     text = json.dumps(ctl.status())
     assert '"state"' in text and '"counters"' in text
     assert math.isfinite(ctl.status()["effective_budget_w"])
+
+
+# ---- reacting to queues, batches and levels (guards and trust) ----------------------------
+
+
+def test_a_late_queue_steps_up_before_anyone_waits_half_the_slo():
+    ctl = make_controller()
+    plant = Plant(compute_share=0.1)
+    run(ctl, plant, 60)
+    clock = ctl.knobs.sm_clock_mhz
+    assert clock < 1500
+    # One waiting prompt fits well inside the SLO: no guard.
+    telemetry, stats = plant.tick(ctl.knobs)
+    one = EngineStats(**{**stats.__dict__, "num_waiting": 1, "oldest_waiting_s": 0.1})
+    d = ctl.observe(telemetry, one, plant.t_s)
+    assert d.state is not ControllerState.GUARD_LATENCY
+    # Sixty arrive at once: their prefill at this clock would bring the last past
+    # slo_margin x 2 s, though the oldest has waited only 0.3 s (no long wait) and the
+    # queue has not grown over three observations: the feed-forward guard steps up now.
+    telemetry, stats = plant.tick(ctl.knobs)
+    many = EngineStats(**{**stats.__dict__, "num_waiting": 60, "oldest_waiting_s": 0.3})
+    d = ctl.observe(telemetry, many, plant.t_s)
+    assert d.state is ControllerState.GUARD_LATENCY and d.reason_code is Reason.QUEUE_GROWTH
+    assert "first token" in d.reason
+    assert d.knobs.sm_clock_mhz > clock
+
+
+def test_no_clock_descent_while_requests_wait():
+    ctl = make_controller()
+    plant = Plant(compute_share=0.1)
+    run(ctl, plant, 60)
+    low = ctl.knobs.sm_clock_mhz
+    telemetry, stats = plant.tick(ctl.knobs)
+    d = ctl.observe(telemetry, EngineStats(**{**stats.__dict__, "ttft_s": (2.5,)}), plant.t_s)
+    raised = d.knobs.sm_clock_mhz
+    assert raised > low
+    # Past the guard's hold the optimizer would walk back down, but one request waits
+    # throughout (too few to be late): the clock stays.
+    plant.waiting = 1
+    held = run(ctl, plant, 25)
+    assert min(x.knobs.sm_clock_mhz for x in held) >= raised
+    plant.waiting = 0
+    later = run(ctl, plant, 25)
+    assert later[-1].knobs.sm_clock_mhz < raised
+
+
+def test_no_quantization_trial_while_requests_wait():
+    levels = (QuantOption("fp32", 0.0, 4), QuantOption("int8", 0.5, 1))
+    params = ControllerParams(quant_dwell_s=5.0, quant_explore_dwell_s=3.0)
+    ctl = make_controller(levels=levels, params=params)
+    plant = Plant(compute_share=0.1, level_speed={"fp32": 1.0, "int8": 0.6})
+    plant.waiting = 1
+    queued = run(ctl, plant, 90)
+    assert all(d.knobs.quant_level == "fp32" for d in queued)
+    plant.waiting = 0
+    calm = run(ctl, plant, 60)
+    assert any(d.reason_code is Reason.QUANT_EXPLORE for d in calm)
+
+
+def test_a_new_level_starts_from_the_practised_level_with_its_clock_sensitivity():
+    levels = (QuantOption("fp32", 0.0, 4), QuantOption("int8", 0.5, 1))
+    params = ControllerParams(quant_dwell_s=5.0, quant_explore_dwell_s=3.0)
+    ctl = make_controller(levels=levels, params=params)
+    plant = Plant(compute_share=0.1, level_speed={"fp32": 1.0, "int8": 0.6})
+    knobs = ctl.knobs
+    for _ in range(int(120 / TICK_S)):
+        telemetry, stats = plant.tick(knobs)
+        d = ctl.observe(telemetry, stats, plant.t_s)
+        knobs = d.knobs
+        if "int8" in ctl._step_models:
+            break
+    # The int8 model appeared with the trial's first steps (when the knobs in force
+    # already say int8): it starts from fp32's estimate, its stretch terms firm, not from
+    # a blank model that would know nothing of how steps stretch at lower clocks.
+    model = ctl._step_models["int8"]
+    assert model.samples < 30
+    assert max(model.rls.p[k][k] for k in range(4, 8)) < 0.05
+    assert model.rls.theta[4:] == pytest.approx(ctl._step_models["fp32"].rls.theta[4:], abs=0.02)
+
+
+@dataclass
+class TwoLevelPlant(Plant):
+    """int8 cheap at batch 1 and dear per decode token (as a packed int8 kernel on a CPU):
+    better when calm, worse under load."""
+
+    def step_s(self, prefill: float, decode: float, level: str) -> float:
+        if level == "int8":
+            base = 0.004 + 0.0006 * prefill + 0.0060 * decode
+        else:
+            base = 0.010 + 0.0008 * prefill + 0.0030 * decode
+        cs = self.compute_share
+        return base * (cs * 1980 / self.clock_mhz + (1 - cs))
+
+
+def test_a_level_that_cannot_cope_tries_a_faster_one_again_at_this_load():
+    levels = (
+        QuantOption("fp32", 0.0, 4, decode_tok_s=300.0),
+        QuantOption("int8", 0.5, 1, decode_tok_s=150.0),
+    )
+    params = ControllerParams(quant_dwell_s=20.0, quant_explore_dwell_s=5.0)
+    ctl = make_controller(levels=levels, params=params)
+    plant = TwoLevelPlant(
+        compute_share=0.3, decode_rate_tok_s=20.0, prompt_rate_tok_s=20.0, request_rate_s=0.2
+    )
+    calm = run(ctl, plant, 120)
+    assert calm[-1].knobs.quant_level == "int8"  # tried when calm, and kept
+    assert ctl._trusted_batch("fp32") < 20  # fp32 was seen at small batches only
+    plant.decode_rate_tok_s, plant.prompt_rate_tok_s, plant.request_rate_s = 250.0, 250.0, 2.0
+    busy = run(ctl, plant, 120)
+    again = [d for d in busy if d.reason_code is Reason.QUANT_EXPLORE]
+    assert again and "not measured at batches" in again[0].reason
+    assert again[0].knobs.quant_level == "fp32" and busy[-1].knobs.quant_level == "fp32"
+
+
+def test_the_prefill_chunk_shrinks_at_a_low_clock():
+    ctl = make_controller()
+    plant = Plant(compute_share=0.8, decode_rate_tok_s=60.0, prompt_rate_tok_s=300.0)
+    run(ctl, plant, 40)
+    for f in (1980, 1380, 795, 345):  # steps at clocks far apart teach the stretch
+        plant.clock_mhz = f
+        for _ in range(40):
+            telemetry, stats = plant.tick(None)
+            ctl._ingest(telemetry, stats, plant.t_s)
+    top = ctl._chunk_cap("fp32", 1980, 8, 200.0)
+    low = ctl._chunk_cap("fp32", 345, 8, 200.0)
+    assert top >= 256 and low < top
+    # At the low clock the capped chunk's step stays within 0.3 x the 2 s TTFT SLO (give
+    # or take the model's error); the next size up would not.
+    plant.clock_mhz = 345
+    assert plant.step_s(low, 8, "fp32") <= 0.6 * 1.2
+    assert plant.step_s(2 * low, 8, "fp32") > 0.6

@@ -219,3 +219,64 @@ def test_policy_patch_changes_only_what_it_names():
     assert moded.mode is ControlMode.OBSERVE
     with pytest.raises(ValidationError):
         PolicyPatch.model_validate({"budget": 1})
+
+
+def test_folding_the_context_cost_undoes_a_collinear_trade():
+    # A batch's decode and context counts move together (context = decode x ~150), so an
+    # estimate may put a negative cost on one and an excess on the other. Clipped one by
+    # one the pair predicts far too long a step; folded at the workload's context it is
+    # the step the data showed: 40 ms + 32 x (-5 + 0.04 x 150) ms = 72 ms.
+    model = StepTimeModel(1980)
+    model.rls.theta = [0.040, 0.0, -0.05, 0.040, 0.0, 0.0, 0.0, 0.0]
+    ctx = 150.0
+    folded = model.coefficients(1980, ctx).step_s(0, 32, 32 * ctx)
+    assert folded == pytest.approx(0.072, rel=1e-6)
+    assert model.coefficients(1980).step_s(0, 32, 32 * ctx) > 2.5 * folded  # clipped apart
+    # A negative folded cost is still kept at zero (a step never gets cheaper per token).
+    model.rls.theta = [0.040, 0.0, -0.05, 0.010, 0.0, 0.0, 0.0, 0.0]
+    assert model.coefficients(1980, ctx).per_decode_token_s == 0.0
+
+
+def test_step_model_knows_the_batches_it_was_fitted_on():
+    model = StepTimeModel(1980)
+    assert model.batch_seen(10) == 0
+    for d in [2] * 12 + [5] * 12:
+        model.learn(StepRecord(0.0, 0.01 + 0.002 * d, 0, d, d * 100, "fp32", 1980), 1980)
+    assert model.batch_seen(10) == 7  # the 4-7 bucket holds ten or more
+    for _ in range(5):
+        model.learn(StepRecord(0.0, 0.1, 0, 40, 4000, "fp32", 1980), 1980)
+    assert model.batch_seen(10) == 7  # five large batches are not yet a fit
+    for _ in range(5):
+        model.learn(StepRecord(0.0, 0.1, 0, 40, 4000, "fp32", 1980), 1980)
+    assert model.batch_seen(10) == 63
+
+
+def test_a_prior_keeps_the_clock_sensitivity_a_short_trial_cannot_teach():
+    # The known level: 40 % of every step scales with f_max / f, learned over many clocks.
+    def truth(decode: int, prefill: int, f: int, speed: float) -> float:
+        return speed * (0.01 + 0.002 * decode + 0.001 * prefill) * (0.4 * 1980 / f + 0.6)
+
+    def trial(seed: int, stretch_p0: float) -> float:
+        rng = random.Random(seed)
+        known = StepTimeModel(1980)
+        for _ in range(600):
+            f = rng.choice((1980, 1500, 1005, 600))
+            d, p = rng.randint(1, 40), rng.choice((0, 0, 0, 100, 300))
+            known.learn(StepRecord(0.0, truth(d, p, f, 1.0), p, d, d * 100, "fp32", f), f)
+        # A level 30 % faster tried for 80 noisy steps at two neighbouring clocks.
+        model = known.as_prior(stretch_p0=stretch_p0)
+        for _ in range(80):
+            f = rng.choice((1830, 1530))
+            d, p = rng.randint(1, 40), rng.choice((0, 0, 0, 100, 300))
+            t = truth(d, p, f, 0.7) * (1 + 0.25 * rng.gauss(0, 1))
+            model.learn(StepRecord(0.0, t, p, d, d * 100, "int8", f), f)
+        return model.coefficients(600).step_s(100, 20, 2000) / truth(20, 100, 600, 0.7)
+
+    # Firm stretch terms (the default): at a clock far below the trial's the prediction
+    # errs a little on the slow side, the same way every time.
+    firm = [trial(seed, 0.01) for seed in range(6)]
+    assert all(1.0 <= r < 1.3 for r in firm), firm
+    # Loose ones (the variance of a fresh model) are steered by the trial's noise: some
+    # trials predict the low clock far too fast, which would lure the clock down.
+    loose = [trial(seed, 1.0) for seed in range(6)]
+    assert min(loose) < 0.8, loose
