@@ -96,24 +96,20 @@ def _asset_response(request: Request, asset: _Asset) -> Response:
 class EnergyCounter:
     """Device energy used since the daemon started, in joules, from the live snapshots.
 
-    Sums the rises of the device's cumulative counter between consecutive snapshots, so
-    a counter that restarts (a device reopened) adds nothing negative. Called on the
+    Sums each snapshot's window energy (the feed's rise of the device's cumulative
+    counter since the previous snapshot, None where the counter restarted), so a device
+    reopened adds nothing negative. None until the device reports energy. Called on the
     event loop (a feed listener), read there by the stream: no lock needed.
     """
 
     def __init__(self) -> None:
         self.total_j: float | None = None
-        self._last_j: float | None = None
 
     def on_telemetry(self, payload: TelemetryPayload) -> None:
-        energy_j = payload.device.energy_j
-        if energy_j is None:
+        if payload.device.energy_j is None:
             return
-        if self.total_j is None:
-            self.total_j = 0.0
-        elif self._last_j is not None and energy_j > self._last_j:
-            self.total_j += energy_j - self._last_j
-        self._last_j = energy_j
+        window_j = payload.serving.energy_window_j
+        self.total_j = (self.total_j or 0.0) + (window_j or 0.0)
 
 
 def _sse(event: str, data: str) -> bytes:

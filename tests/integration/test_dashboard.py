@@ -29,7 +29,8 @@ from daemon.api.app import create_app
 from daemon.api.dashboard import EnergyCounter, load_assets
 from daemon.api.state import ServingState
 from daemon.config import Config, ControllerConfig, DeviceConfig, MqttConfig, load_config
-from daemon.mqtt.payloads import DeviceFigures, TelemetryPayload
+from daemon.mqtt.payloads import DeviceFigures, ServingFigures, TelemetryPayload
+from daemon.mqtt.window import TelemetryWindow
 from tests.api_server import RunningServer, api_config, running_server
 
 TOKEN = "dashboard-test-token"
@@ -217,9 +218,21 @@ def test_packaged_files_and_energy_counter() -> None:
     assets = load_assets()
     assert {"index.html", "app.js", "style.css", "vendor/uPlot.iife.min.js"} <= set(assets)
     assert not any(p.endswith((".py", "LICENSE")) for p in assets)
-    counter = EnergyCounter()
-    for energy_j in (None, 100.0, 150.0, 20.0, 50.0):  # the counter restarts at 20 J
-        counter.on_telemetry(TelemetryPayload(device=DeviceFigures(energy_j=energy_j)))
+    # The device counter reads None, 100, 150, 20 (restarted), 50 J; the live feed's
+    # windows close over it as it does for every consumer.
+    window, counter = TelemetryWindow(), EnergyCounter()
+    for t, energy_j in enumerate((None, 100.0, 150.0, 20.0, 50.0)):
+        figures = window.close(
+            now_s=float(t), generation_tokens=0, prompt_tokens=0, energy_j=energy_j
+        )
+        counter.on_telemetry(
+            TelemetryPayload(
+                device=DeviceFigures(energy_j=energy_j),
+                serving=ServingFigures(energy_window_j=figures.energy_window_j),
+            )
+        )
+        if t == 1:
+            assert counter.total_j == 0.0
     assert counter.total_j == 80.0
 
 
