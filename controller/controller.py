@@ -89,28 +89,32 @@ class Reason(StrEnum):
 class ControllerParams:
     """Tuning of the controller; defaults suit a GPU with a 100 ms telemetry period.
 
-    Timescales: the clock may change every clock_min_interval_s (down: also only
-    descend_hold_s after a move up, for a clock_gain_min_pct gain), the batch caps every
-    batch_period_s, the quantization level after quant_dwell_s for a predicted gain of
-    quant_gain_min_pct (a never-run level is tried for quant_explore_dwell_s; a level that
-    cannot cope for quant_stuck_s is left sooner); a level's model is trusted up to
-    batch_trust_factor x the largest decode batch it has been fitted around (at least
-    batch_trust_min), and a switch needs that trust at the largest batch of the last
-    quant_peak_window_s; nothing switches while a queue is served or a guard holds, unless
-    the level has not coped for quant_stuck_busy_s. A prefill chunk's step at the clock in
+    Timescales: the clock may change every clock_min_interval_s (down: also only descend_hold_s
+    after a move up, for a clock_gain_min_pct gain), the batch caps every batch_period_s, the
+    quantization level after quant_dwell_s for a predicted gain of quant_gain_min_pct (a never-
+    run level is tried for quant_explore_dwell_s; a level that cannot cope for quant_stuck_s is
+    left sooner); a level's model is trusted up to batch_trust_factor x the largest decode batch
+    it has been fitted around (at least batch_trust_min), and a switch needs that trust at the
+    largest batch of the last quant_peak_window_s; nothing switches while a queue is served or a
+    guard holds, unless the level has not coped for quant_stuck_busy_s. A trial is judged on its
+    measured steps as they come: once quant_trial_min_steps steps and quant_trial_evidence_s of
+    them have run, a level whose steps took more than quant_trial_slowdown_max x what the level
+    before would have taken (its model, at the clocks they ran) is left at once, and not tried
+    again for quant_slow_retry_s; a trial still learning after quant_trial_max_s ends too (bench
+    quant's speed table may come from another machine). A prefill chunk's step at the clock in
     force stays within chunk_step_slo_factor x the TPOT SLO and chunk_step_ttft_factor x the
     TTFT SLO. Margins: predictions must meet slo_margin x SLO (x descend_margin for a lower
     clock) and power_margin x budget; the board power limit is set to power_limit_margin x
-    budget; a reading within power_noise_tolerance over the budget is noise. Guards: a
-    latency guard raises the clock by guard_clock_steps candidates, or to the lowest clock
-    predicted to prefill the waiting queue within slo_margin x the TTFT SLO (at most every
-    guard_cooldown_s), and holds that floor for guard_hold_s; a power guard lowers the clock
-    at once and holds that ceiling for power_hold_s (anti-windup), released once power is
-    under power_release_margin x budget. Thermal: the budget is derated linearly from 1 at
-    thermal_derate_start_c of margin to thermal_derate_min at thermal_derate_full_c. Stale
-    telemetry: hold for stale_hold_s, then the fallback knobs. Learning: learning_min_steps
-    steps and learning_min_power_samples readings before the models are used; a clock counts
-    as seen after trust_min_samples steps, and trust reaches trust_clock_steps beyond.
+    budget; a reading within power_noise_tolerance over the budget is noise. Guards: a latency
+    guard raises the clock by guard_clock_steps candidates, or to the lowest clock predicted to
+    prefill the waiting queue within slo_margin x the TTFT SLO (at most every guard_cooldown_s),
+    and holds that floor for guard_hold_s; a power guard lowers the clock at once and holds that
+    ceiling for power_hold_s (anti-windup), released once power is under power_release_margin x
+    budget. Thermal: the budget is derated linearly from 1 at thermal_derate_start_c of margin
+    to thermal_derate_min at thermal_derate_full_c. Stale telemetry: hold for stale_hold_s, then
+    the fallback knobs. Learning: learning_min_steps steps and learning_min_power_samples
+    readings before the models are used; a clock counts as seen after trust_min_samples steps,
+    and trust reaches trust_clock_steps beyond.
     """
 
     batch_period_s: float = 2.0
@@ -150,6 +154,11 @@ class ControllerParams:
     batch_trust_min: int = 4
     quant_peak_window_s: float = 120.0
     quant_stuck_busy_s: float = 20.0
+    quant_trial_slowdown_max: float = 1.25
+    quant_trial_evidence_s: float = 1.0
+    quant_trial_min_steps: int = 3
+    quant_trial_max_s: float = 30.0
+    quant_slow_retry_s: float = 600.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -344,6 +353,12 @@ class Controller:
         self._quant_left_s: dict[str, float] = {}  # when each level was last switched away from
         self._exploring: tuple[str, str] | None = None  # (level tried, level before)
         self._exploring_stuck = False  # the trial began because the level before could not cope
+        # The trial's steps: measured seconds, what the level before would have taken.
+        self._trial_started_s = -math.inf
+        self._trial_steps = 0
+        self._trial_measured_s = 0.0
+        self._trial_expected_s = 0.0
+        self._slow_here_s: dict[str, float] = {}  # levels whose trial measured them slower
         # guards
         self._waiting_hist: deque[int] = deque(maxlen=max(2, self.params.queue_growth_ticks + 1))
         self._last_guard_s = -math.inf
@@ -465,6 +480,7 @@ class Controller:
         for step in stats.steps:
             clock = step.sm_clock_mhz or clock_now
             if step.duration_s > 0 and clock:
+                self._judge_trial_step(step, clock)
                 self._step_model(step.quant_level).learn(step, clock)
             self._recent_steps.append(step)
         self._workload.update(
@@ -512,6 +528,70 @@ class Controller:
                 model_peak = self._power.predict_w(clock_now, 0.0, 1.0, telemetry.gpu_temp_c)
                 self._peak_ratio.add(now_s, telemetry.power_w, model_peak)
             self._last_telemetry = telemetry
+
+    def _judge_trial_step(self, step: StepRecord, clock_mhz: int) -> None:
+        """During a trial, add a step of the level tried and what the level before's model
+        predicts for the same step at the same clock."""
+        if self._exploring is None:
+            return
+        tried, before = self._exploring
+        model = self._step_models.get(before)
+        if step.quant_level != tried or model is None:
+            return
+        if model.samples < self.params.learning_min_steps:
+            return
+        expected = model.coefficients(clock_mhz).step_s(
+            step.prefill_tokens, step.decode_tokens, step.context_tokens
+        )
+        self._trial_steps += 1
+        self._trial_measured_s += step.duration_s
+        self._trial_expected_s += expected
+
+    def _start_trial(self, tried: str, before: str, stuck: bool, now_s: float) -> None:
+        self._exploring = (tried, before)
+        self._exploring_stuck = stuck
+        self._trial_started_s = now_s
+        self._trial_steps = 0
+        self._trial_measured_s = self._trial_expected_s = 0.0
+
+    def _trial_verdict(self, base: Knobs, now_s: float) -> _Choice | None:
+        """End a trial early on what its steps measured: much slower than the level before
+        would have been, or still learning long after its dwell. Back to the level before."""
+        if self._exploring is None:
+            return None
+        p = self.params
+        tried, before = self._exploring
+        why = None
+        if (
+            self._trial_steps >= p.quant_trial_min_steps
+            and self._trial_measured_s >= p.quant_trial_evidence_s
+            and self._trial_measured_s > p.quant_trial_slowdown_max * self._trial_expected_s
+        ):
+            ratio = self._trial_measured_s / max(self._trial_expected_s, 1e-9)
+            why = (
+                f"its {self._trial_steps} steps took {ratio:.1f}x what {before}'s model "
+                "predicts for them"
+            )
+            self._slow_here_s[tried] = now_s
+        elif (
+            now_s - self._trial_started_s >= p.quant_trial_max_s
+            and self._step_model(tried).samples < p.learning_min_steps
+        ):
+            why = (
+                f"only {self._step_model(tried).samples} steps in "
+                f"{now_s - self._trial_started_s:.0f} s"
+            )
+        if why is None:
+            return None
+        self._exploring = None
+        self._last_quant_switch_s = now_s
+        self._quant_left_s[tried] = now_s
+        return _Choice(
+            ControllerState.TRACKING,
+            base.with_changes(quant_level=before),
+            Reason.QUANT_SWITCH,
+            f"quantization {tried} -> {before}: trial of {tried} aborted, {why}",
+        )
 
     def _clock_now(self, telemetry: Telemetry | None) -> int | None:
         if telemetry is not None and telemetry.sm_clock_mhz:
@@ -651,6 +731,11 @@ class Controller:
                 f"quantization level {level} is not allowed by the policy "
                 f"(max_ppl_increase_pct {policy.max_ppl_increase_pct}): switching to {target}",
             )
+
+        # A trial whose steps measure much slower than the level before ends at once.
+        verdict = self._trial_verdict(base, now_s)
+        if verdict is not None:
+            return verdict
 
         # 4. Latency guards: queue growth or a measured SLO miss steps up at once.
         workload = self._workload.current()
@@ -1529,6 +1614,7 @@ class Controller:
                 and lv in self._step_models
                 and self._running_now > self._trusted_batch(lv)
                 and now_s - self._retried_s.get(lv, -math.inf) >= p.quant_peak_window_s
+                and now_s - self._slow_here_s.get(lv, -math.inf) >= p.quant_slow_retry_s
                 and (hint(lv)[0] < hint(level)[0] or hint(lv)[0] == 0.0)
             ]
             what = f"not measured at batches of {self._running_now} yet"
@@ -1540,8 +1626,7 @@ class Controller:
             if target in self._explored:
                 self._retried_s[target] = now_s
             self._explored.add(target)
-            self._exploring = (target, level)
-            self._exploring_stuck = stuck
+            self._start_trial(target, level, stuck, now_s)
             self._quant_left_s[level] = now_s
             self._last_quant_switch_s = now_s
             return _Choice(

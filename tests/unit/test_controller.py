@@ -627,3 +627,31 @@ def test_the_prefill_chunk_shrinks_at_a_low_clock():
     plant.clock_mhz = 345
     assert plant.step_s(low, 8, "fp32") <= 0.6 * 1.2
     assert plant.step_s(2 * low, 8, "fp32") > 0.6
+
+
+def test_a_trial_level_measured_much_slower_than_its_table_says_is_left_at_once():
+    # bench quant's table (from another machine, say) has int8 twice as fast as fp32;
+    # here its steps take four times as long.
+    levels = (
+        QuantOption("fp32", 0.0, 4, decode_tok_s=300.0),
+        QuantOption("int8", 0.5, 1, decode_tok_s=600.0),
+    )
+    params = ControllerParams(quant_dwell_s=20.0, quant_explore_dwell_s=10.0)
+    ctl = make_controller(levels=levels, params=params)
+    plant = Plant(
+        compute_share=0.1,
+        decode_rate_tok_s=40.0,
+        prompt_rate_tok_s=40.0,
+        request_rate_s=0.3,
+        level_speed={"fp32": 1.0, "int8": 4.0},
+    )
+    decisions = run(ctl, plant, 240)
+    tried = [i for i, d in enumerate(decisions) if d.reason_code is Reason.QUANT_EXPLORE]
+    assert len(tried) == 1 and decisions[tried[0]].knobs.quant_level == "int8"
+    back = next(d for d in decisions[tried[0] :] if d.knobs.quant_level == "fp32")
+    assert back.reason_code is Reason.QUANT_SWITCH and "aborted" in back.reason
+    # Left on the evidence of its steps, well before the 10 s the trial would last.
+    assert back.at_s - decisions[tried[0]].at_s < 4.0
+    assert ctl._slow_here_s.get("int8") is not None
+    after = decisions[decisions.index(back) :]
+    assert all(d.knobs.quant_level == "fp32" for d in after)
