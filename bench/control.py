@@ -296,6 +296,14 @@ class SimulatedEngine:
         self.finished: list[SimRequest] = []
         self.first_tokens: list[SimRequest] = []
         self._step_ids = 0
+        # Two mechanisms the real engine does not have, for bench/control_ceiling.py's
+        # hindsight study only (off here): per-phase clocks (steps with prefill at one
+        # locked clock, decode-only steps at another) and decode pacing (a decode-only
+        # step starts no sooner than this after the previous one while nothing waits).
+        self.phase_clocks_mhz: tuple[int, int] | None = None  # (prefill, decode-only)
+        self.decode_interval_s = 0.0
+        self._last_step_s = -math.inf
+        self._last_decode_only = False
 
     # the knobs, as the real engine offers them
     @property
@@ -354,12 +362,21 @@ class SimulatedEngine:
     def has_work(self) -> bool:
         return bool(self._requests)
 
+    def resume_at_s(self) -> float | None:
+        """When a paced engine may step again (None: not pacing now)."""
+        if self.decode_interval_s <= 0 or not self._last_decode_only or self.scheduler.waiting:
+            return None
+        at = self._last_step_s + self.decode_interval_s
+        return at if at > self._clock() else None
+
     def step(self):
         from daemon.coupling import step_flops
         from daemon.device.protocol import EngineActivity
         from daemon.engine.engine import StepStats
 
         now = self._clock()
+        if self.resume_at_s() is not None:
+            return None
         if self._switch_at_s is not None and now >= self._switch_at_s:
             self._level = self._quant_target
             self._prepared.add(self._level)
@@ -369,6 +386,10 @@ class SimulatedEngine:
             return None
         decode = sum(1 for c in plan.chunks if c.num_tokens == 1)
         prefill = plan.num_tokens - decode
+        self._last_step_s, self._last_decode_only = now, prefill == 0
+        if self.phase_clocks_mhz is not None:
+            mhz = self.phase_clocks_mhz[0 if prefill else 1]
+            self._device.lock_sm_clocks_mhz(mhz, mhz)
         ctx = sum(c.start + c.num_tokens for c in plan.chunks)
         fit = self.cal.levels[self._level]
         noise = math.exp(self._rng.gauss(0.0, fit.noise_cv) - fit.noise_cv**2 / 2)
@@ -628,14 +649,29 @@ class PidOnPower(System):
 
 class FixedSetting(System):
     """One quantization level and one locked clock for the whole run, with the board limit
-    at the budget: the points the hindsight reference searches over."""
+    at the budget: the points the hindsight reference searches over. For the ceiling
+    study, optionally a second clock for decode-only steps and a decode pacing interval
+    (mechanisms of the engine model only)."""
 
     name = "fixed"
 
-    def __init__(self, engine, device, clock, budget_w: float, level: str, mhz: int) -> None:
+    def __init__(
+        self,
+        engine,
+        device,
+        clock,
+        budget_w: float,
+        level: str,
+        mhz: int,
+        decode_mhz: int | None = None,
+        decode_interval_ms: float = 0.0,
+    ) -> None:
         super().__init__(engine, device, clock)
         engine.set_quant_level(level)
         device.lock_sm_clocks_mhz(mhz, mhz)
+        if decode_mhz is not None and decode_mhz != mhz:
+            engine.phase_clocks_mhz = (mhz, decode_mhz)
+        engine.decode_interval_s = decode_interval_ms / 1000.0
         self.set_budget_w(budget_w)
 
     def set_budget_w(self, budget_w: float) -> None:
@@ -867,8 +903,10 @@ def _make_system(name: str, engine, device, clock, policy: Policy, cal, levels, 
             engine, device, clock, policy, cal, (engine.quant_level,), inline=inline, name=name
         )
     if name.startswith("fixed:"):
-        _, level, mhz = name.split(":")
-        return FixedSetting(engine, device, clock, budget, level, int(mhz))
+        # fixed:<level>:<MHz>[:<decode-only MHz>:<decode interval ms>]
+        _, level, mhz, *study = name.split(":")
+        decode_mhz, interval_ms = (int(study[0]), float(study[1])) if study else (None, 0.0)
+        return FixedSetting(engine, device, clock, budget, level, int(mhz), decode_mhz, interval_ms)
     raise ValueError(f"unknown system {name!r}")
 
 
@@ -936,6 +974,8 @@ def _run_model(
             upcoming = [next_tick, end_s]
             if next_req < len(reqs):
                 upcoming.append(reqs[next_req].arrival_s)
+            if (resume := engine.resume_at_s()) is not None:
+                upcoming.append(resume)
             clock.advance(max(min(min(upcoming) - clock(), 0.1), 1e-6))
         tel, cur = _energy_sample(device)
         if cur[0] > last[0]:
@@ -1014,7 +1054,9 @@ def measure_capacity(
 
 def measure_capacity_real(loaded: Any, level: str, mix: RequestMix, seconds: float) -> float:
     """Requests/s the real engine (max clock; caps 64/512) completes when kept saturated
-    with the request mix, after a quarter of `seconds` of warm-up."""
+    with the request mix: 64 in flight (a finished one is replaced at once), counted over
+    `seconds` after the first 16 have finished (the first wave prefills together, so a
+    fixed warm-up time would measure nothing on a slow CPU)."""
     from bench.engine import corpus_token_ids, corpus_window
     from daemon.engine.engine import Engine, EngineOptions
     from daemon.engine.request import SamplingParams
@@ -1047,17 +1089,25 @@ def measure_capacity_real(loaded: Any, level: str, mix: RequestMix, seconds: flo
             done.append(time.monotonic())
             add()
 
-    for _ in range(96):
+    for _ in range(64):
         add()
     # On the engine's own thread, as in the runs (stepping from the main thread measured
     # several times slower on this shared machine).
     engine.start()
-    t0 = time.monotonic()
-    warm = t0 + seconds / 4
-    time.sleep(seconds)
-    engine.stop(abort_pending=True)
-    n = sum(1 for t in done if t >= warm)
-    return n / (t0 + seconds - warm)
+    try:
+        give_up = time.monotonic() + 4 * seconds + 120.0
+        while len(done) < 16 and time.monotonic() < give_up:
+            time.sleep(0.2)
+        if len(done) < 16:
+            raise RuntimeError(f"capacity: only {len(done)} requests finished warming up")
+        t0, n0 = time.monotonic(), len(done)
+        time.sleep(seconds)
+        t1, n1 = time.monotonic(), len(done)
+    finally:
+        engine.stop(abort_pending=True)
+    if n1 - n0 < 8:
+        raise RuntimeError(f"capacity: only {n1 - n0} requests finished in {seconds:g} s")
+    return (n1 - n0) / (t1 - t0)
 
 
 # ---- metrics -------------------------------------------------------------------------
