@@ -113,6 +113,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from bench import control as bench_control
 
         return bench_control.main(args.rest)
+    if args.which == "control-ceiling":
+        from bench import control_ceiling
+
+        return control_ceiling.main(args.rest)
     print(f"wattserve: error: unknown benchmark {args.which!r}", file=sys.stderr)
     return 2
 
@@ -188,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_install_service)
 
     p = sub.add_parser("bench", help="benchmarks (each prints one JSON line last)")
-    p.add_argument("which", choices=["engine", "serve", "quant", "control"])
+    p.add_argument("which", choices=["engine", "serve", "quant", "control", "control-ceiling"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)
     return parser
