@@ -156,7 +156,7 @@ class ControllerParams:
     quant_stuck_busy_s: float = 20.0
     quant_trial_slowdown_max: float = 1.25
     quant_trial_evidence_s: float = 1.0
-    quant_trial_min_steps: int = 3
+    quant_trial_min_steps: int = 2
     quant_trial_max_s: float = 30.0
     quant_slow_retry_s: float = 600.0
 
@@ -1498,6 +1498,20 @@ class Controller:
                 to,
             )
 
+        def headroom(lv: str) -> Prediction:
+            # At the highest clock the budget allows.
+            top = ceiling if ceiling is not None else self.device.sm_clock_max_mhz
+            top = min(top, self._safe_clock(budget_w, temp))
+            return self._predict(
+                lv, top, base.max_num_seqs, base.max_num_batched_tokens, workload, temp
+            )
+
+        def load(pr: Prediction) -> float:
+            if not pr.stable:
+                return math.inf
+            pol = self._policy
+            return max(pr.ttft_ms / pol.ttft_slo_ms, pr.tpot_ms / pol.tpot_slo_ms)
+
         if self._exploring is not None:
             tried, before = self._exploring
             learned = self._step_model(tried).samples >= p.learning_min_steps
@@ -1510,6 +1524,15 @@ class Controller:
             mine, theirs = best_for(tried, True, before), best_for(before, True, tried)
             if theirs is not None and (mine is None or self._score(theirs) <= self._score(mine)):
                 return switch(theirs, f"the trial of {tried} predicts no gain")
+            if mine is None and theirs is None:
+                # Neither meets the targets: keep the one with more latency headroom at the
+                # top clock the budget allows (the level tried only if clearly ahead).
+                ours, back = headroom(tried), headroom(before)
+                if not load(ours) < 0.9 * load(back):
+                    return switch(
+                        back,
+                        f"neither meets the targets; {tried} has no more headroom than {before}",
+                    )
             return None
         if workload.output_tokens_per_s <= 0 or len(allowed) < 2:
             return None
@@ -1543,20 +1566,6 @@ class Controller:
             if not known and stuck:
                 # Nothing is predicted to meet the targets: the level with the most latency
                 # headroom at the highest clock the budget allows, if clearly ahead.
-                top = ceiling if ceiling is not None else self.device.sm_clock_max_mhz
-                top = min(top, self._safe_clock(budget_w, temp))
-
-                def headroom(lv: str) -> Prediction:
-                    return self._predict(
-                        lv, top, base.max_num_seqs, base.max_num_batched_tokens, workload, temp
-                    )
-
-                def load(pr: Prediction) -> float:
-                    if not pr.stable:
-                        return math.inf
-                    pol = self._policy
-                    return max(pr.ttft_ms / pol.ttft_slo_ms, pr.tpot_ms / pol.tpot_slo_ms)
-
                 others = [
                     pr
                     for pr in (
@@ -1595,9 +1604,15 @@ class Controller:
         # not seen batches like those running now is tried again at this load (at most once
         # per quant_peak_window_s): its model, not trusted there, learns them.
         def hint(lv: str) -> tuple[float, int]:
-            # Fastest measured first, then the lightest weights.
+            # Fastest first, then the lightest weights. The speed is measured here once the
+            # level has a model of its own (a step of 16 decode tokens beside a 64-token
+            # prefill chunk at the top clock), else bench quant's table's.
             opt = self._levels.get(lv)
             speed = opt.decode_tok_s if opt is not None and opt.decode_tok_s else 0.0
+            model = self._step_models.get(lv)
+            if model is not None and model.samples >= p.learning_min_steps:
+                coef = model.coefficients(self.device.sm_clock_max_mhz)
+                speed = 16.0 / coef.step_s(64, 16, 16 * 200)
             return (-speed, opt.weight_bytes if opt is not None else 0)
 
         unexplored = [
@@ -1629,9 +1644,15 @@ class Controller:
             self._start_trial(target, level, stuck, now_s)
             self._quant_left_s[level] = now_s
             self._last_quant_switch_s = now_s
+            # The trial starts with a quarter of the prefill chunk: if the level is much
+            # slower here than the table says, its first steps, which decide that, stay short.
+            chunk = max(
+                self.engine.max_num_batched_tokens_min,
+                (base.max_num_batched_tokens or self.engine.max_num_batched_tokens_max) // 4,
+            )
             return _Choice(
                 ControllerState.TRACKING,
-                base.with_changes(quant_level=target),
+                base.with_changes(quant_level=target, max_num_batched_tokens=chunk),
                 Reason.QUANT_EXPLORE,
                 f"quantization {level} -> {target}: {what}; trying it for "
                 f"{p.quant_explore_dwell_s:g} s (latency guards stay armed)"
