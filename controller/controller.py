@@ -562,11 +562,11 @@ class Controller:
         p = self.params
         tried, before = self._exploring
         why = None
-        if (
+        enough = (
             self._trial_steps >= p.quant_trial_min_steps
             and self._trial_measured_s >= p.quant_trial_evidence_s
-            and self._trial_measured_s > p.quant_trial_slowdown_max * self._trial_expected_s
-        ):
+        ) or self._trial_measured_s >= 2 * p.quant_trial_evidence_s  # one long step will do
+        if enough and self._trial_measured_s > p.quant_trial_slowdown_max * self._trial_expected_s:
             ratio = self._trial_measured_s / max(self._trial_expected_s, 1e-9)
             why = (
                 f"its {self._trial_steps} steps took {ratio:.1f}x what {before}'s model "
@@ -1604,15 +1604,9 @@ class Controller:
         # not seen batches like those running now is tried again at this load (at most once
         # per quant_peak_window_s): its model, not trusted there, learns them.
         def hint(lv: str) -> tuple[float, int]:
-            # Fastest first, then the lightest weights. The speed is measured here once the
-            # level has a model of its own (a step of 16 decode tokens beside a 64-token
-            # prefill chunk at the top clock), else bench quant's table's.
+            # Fastest measured first, then the lightest weights.
             opt = self._levels.get(lv)
             speed = opt.decode_tok_s if opt is not None and opt.decode_tok_s else 0.0
-            model = self._step_models.get(lv)
-            if model is not None and model.samples >= p.learning_min_steps:
-                coef = model.coefficients(self.device.sm_clock_max_mhz)
-                speed = 16.0 / coef.step_s(64, 16, 16 * 200)
             return (-speed, opt.weight_bytes if opt is not None else 0)
 
         unexplored = [
@@ -1635,7 +1629,14 @@ class Controller:
             what = f"not measured at batches of {self._running_now} yet"
         steady_s = now_s - self._feasible_since_s if self._feasible_since_s is not None else 0.0
         calm = now_s - self._last_guard_s >= p.guard_hold_s and steady_s >= 5.0
-        if unexplored and since >= p.quant_explore_dwell_s and (calm or stuck):
+        # Once a trial has measured a level much slower than the table said, the table is
+        # not trusted to pick an escape under load: later trials wait for a calm moment.
+        table_wrong = any(now_s - t < p.quant_slow_retry_s for t in self._slow_here_s.values())
+        if (
+            unexplored
+            and since >= p.quant_explore_dwell_s
+            and (calm or (stuck and not table_wrong))
+        ):
             order = sorted(unexplored, key=hint)
             target = order[0]
             if target in self._explored:
@@ -1644,15 +1645,9 @@ class Controller:
             self._start_trial(target, level, stuck, now_s)
             self._quant_left_s[level] = now_s
             self._last_quant_switch_s = now_s
-            # The trial starts with a quarter of the prefill chunk: if the level is much
-            # slower here than the table says, its first steps, which decide that, stay short.
-            chunk = max(
-                self.engine.max_num_batched_tokens_min,
-                (base.max_num_batched_tokens or self.engine.max_num_batched_tokens_max) // 4,
-            )
             return _Choice(
                 ControllerState.TRACKING,
-                base.with_changes(quant_level=target, max_num_batched_tokens=chunk),
+                base.with_changes(quant_level=target),
                 Reason.QUANT_EXPLORE,
                 f"quantization {level} -> {target}: {what}; trying it for "
                 f"{p.quant_explore_dwell_s:g} s (latency guards stay armed)"
