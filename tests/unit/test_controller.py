@@ -655,3 +655,32 @@ def test_a_trial_level_measured_much_slower_than_its_table_says_is_left_at_once(
     assert ctl._slow_here_s.get("int8") is not None
     after = decisions[decisions.index(back) :]
     assert all(d.knobs.quant_level == "fp32" for d in after)
+
+
+def test_after_a_trial_proves_the_table_wrong_no_escape_trials_under_load():
+    # The table has bf16 and int8 faster than fp32; here both are four times slower. Under
+    # a load fp32 is predicted not to meet, the controller escapes to bf16 (the table's
+    # fastest), measures it slower and comes back; it then does not try int8 under that
+    # load on the same table's word (a trial that would cost the queue seconds of slow
+    # steps), only at a calm moment, which this load never has.
+    levels = (
+        QuantOption("fp32", 0.0, 4, decode_tok_s=300.0),
+        QuantOption("bf16", 0.1, 2, decode_tok_s=600.0),
+        QuantOption("int8", 0.5, 1, decode_tok_s=500.0),
+    )
+    params = ControllerParams(quant_dwell_s=20.0, quant_explore_dwell_s=10.0)
+    ctl = make_controller(levels=levels, params=params)
+    plant = Plant(
+        compute_share=0.3,
+        decode_rate_tok_s=300.0,
+        prompt_rate_tok_s=600.0,
+        request_rate_s=5.0,
+        level_speed={"fp32": 1.0, "bf16": 4.0, "int8": 4.0},
+    )
+    decisions = run(ctl, plant, 200)
+    trials = [d for d in decisions if d.reason_code is Reason.QUANT_EXPLORE]
+    assert [d.knobs.quant_level for d in trials] == ["bf16"]
+    assert "cannot meet the targets" in trials[0].reason  # an escape under load
+    assert "int8" not in ctl._step_models
+    assert decisions[-1].knobs.quant_level == "fp32"
+    assert sum(d.reason_code is Reason.INFEASIBLE for d in decisions[-200:]) > 100
