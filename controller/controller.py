@@ -1361,8 +1361,9 @@ class Controller:
         past it), never below twice the batch the load needs. max_num_batched_tokens: the
         chunk cap at the clock in force (_chunk_cap; a step once started runs at the clock
         it started at, and no decision comes while it runs). Neither shrinks while a queue
-        is served or a guard holds; the chunk does not grow where only the clock holds the
-        budget (a bigger chunk draws more power at the same clock)."""
+        is served or a guard holds, nor the batch cap when no candidate meets the targets;
+        the chunk does not grow where only the clock holds the budget (a bigger chunk draws
+        more power at the same clock)."""
         p = self.params
         e = self.engine
         # At the top clock: a guard can raise the clock to serve a burst, so the caps must
@@ -1384,8 +1385,12 @@ class Controller:
         seqs = min(e.max_num_seqs_max, max(seqs, math.ceil(2 * batch), 1))
         if abs(seqs - knobs.max_num_seqs) < max(2, 0.25 * knobs.max_num_seqs):
             seqs = knobs.max_num_seqs  # small changes are not worth a knob change
+        # No candidate meets the targets: the engine needs all the capacity it has, and a
+        # smaller batch cap only moves the wait into the queue. (The chunk still follows the
+        # clock: at a low clock held for the budget a full chunk is a multi-second step.)
+        infeasible = self._infeasible_since_s is not None
         if seqs < knobs.max_num_seqs and (
-            self._waiting_now > 0 or now_s - self._last_guard_s < p.guard_hold_s
+            self._waiting_now > 0 or now_s - self._last_guard_s < p.guard_hold_s or infeasible
         ):
             seqs = knobs.max_num_seqs  # no smaller batch while a queue is being served
         tokens = self._chunk_cap(level, clock, min(seqs, max(1, math.ceil(batch))), ctx)
