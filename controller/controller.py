@@ -1358,7 +1358,8 @@ class Controller:
     ) -> tuple[int, int]:
         """max_num_seqs: the most sequences whose decode step still meets the TPOT SLO by
         the model's mean at the top clock (so a burst queues instead of slowing everyone
-        past it), never below twice the batch the load needs. max_num_batched_tokens: the
+        past it), never below a decode batch recent steps ran within the SLO, nor below
+        twice the batch the load needs. max_num_batched_tokens: the
         chunk cap at the clock in force (_chunk_cap; a step once started runs at the clock
         it started at, and no decision comes while it runs). Neither shrinks while a queue
         is served or a guard holds, nor the batch cap when no candidate meets the targets;
@@ -1376,6 +1377,14 @@ class Controller:
             if co.step_s(0, n, n * ctx) > slo_s:
                 break
             seqs = n
+        # Measured steps overrule the model: a decode batch this level has run within the
+        # TPOT SLO (at the clock it ran, so no faster than at the top clock) is within it.
+        ran = [
+            st.decode_tokens
+            for st in self._recent_steps
+            if st.quant_level == level and st.duration_s <= slo_s
+        ]
+        seqs = max(seqs, max(ran, default=1))
         # Never below twice the batch the load needs at the clock in force (a cap under it
         # queues requests for nothing).
         here = self._predict(

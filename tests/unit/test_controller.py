@@ -684,3 +684,28 @@ def test_after_a_trial_proves_the_table_wrong_no_escape_trials_under_load():
     assert "int8" not in ctl._step_models
     assert decisions[-1].knobs.quant_level == "fp32"
     assert sum(d.reason_code is Reason.INFEASIBLE for d in decisions[-200:]) > 100
+
+
+def test_measured_steps_overrule_a_step_model_that_would_cut_the_batch_cap():
+    import dataclasses
+
+    ctl = make_controller()
+    plant = Plant(compute_share=0.1, decode_rate_tok_s=300.0, prompt_rate_tok_s=100.0)
+    for _ in range(120):
+        telemetry, stats = plant.tick(None)
+        ctl._ingest(telemetry, stats, plant.t_s)
+    ran = max(st.decode_tokens for st in ctl._recent_steps if st.duration_s <= 0.2)
+    assert ran >= 20  # batches this large ran within the 200 ms TPOT SLO
+    # A fit gone wrong (as chunked prefill steps can make it): decode tokens look three
+    # times as dear as they are, so the model alone would cap the batch below what just
+    # ran; and the load has calmed down (so the cap is not held up by the load's need).
+    ctl._step_models["fp32"].rls.theta[2] *= 3
+    ctl._step_models["fp32"].rls.theta[3] *= 3
+    calm = dataclasses.replace(
+        ctl._workload.current(), output_tokens_per_s=30.0, request_rate_per_s=0.3
+    )
+    co = ctl._step_models["fp32"].coefficients(1980, calm.mean_context_tokens)
+    assert co.step_s(0, ran, ran * calm.mean_context_tokens) > 0.2
+    knobs = Knobs(64, 512, "fp32", 1980)
+    seqs, _ = ctl._choose_caps("fp32", 1980, calm, knobs, plant.t_s, 400.0)
+    assert seqs >= ran
