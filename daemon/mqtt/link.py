@@ -420,6 +420,7 @@ class MqttLink:
             tls_context=self._tls,
             max_queued_incoming_messages=_INCOMING_MAX,
         )
+        _mark_disconnect_error_retrieved(client)
         async with client:
             self._mark_up(down_since, failures)
             if self._policy_handler is not None:
@@ -610,6 +611,17 @@ class MqttLink:
             if was_up:
                 self._counts["connection_losses"] += 1
         return was_up
+
+
+def _mark_disconnect_error_retrieved(client: aiomqtt.Client) -> None:
+    """aiomqtt may set an exception on its disconnect future when the broker refuses or
+    drops a connection that nothing awaits any more (a race in its connect path); asyncio
+    then logs "Future exception was never retrieved" at garbage collection, a second,
+    alarming line for one refused connection. A done-callback reads the exception whenever
+    it is set, which marks it retrieved; the session's own error is what the link reports."""
+    fut = getattr(client, "_disconnected", None)
+    if isinstance(fut, asyncio.Future):
+        fut.add_done_callback(lambda f: None if f.cancelled() else f.exception())
 
 
 def _unwrap(error: Exception) -> Exception:
