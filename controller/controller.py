@@ -1360,8 +1360,8 @@ class Controller:
         the model's mean at the top clock (so a burst queues instead of slowing everyone
         past it), never below a decode batch recent steps ran within the SLO, nor below
         twice the batch the load needs. max_num_batched_tokens: the chunk cap at the clock
-        in force (_chunk_cap; a step once started runs at the clock
-        it started at, and no decision comes while it runs). Neither shrinks while a queue
+        in force (_chunk_cap; a step once started runs at the clock it started at, and no
+        decision comes while it runs). Neither shrinks while a queue
         is served or a guard holds, nor the batch cap when no candidate meets the targets;
         the chunk does not grow where only the clock holds the budget (a bigger chunk draws
         more power at the same clock)."""

@@ -45,30 +45,32 @@ def _calibration() -> control.Calibration:
     )
 
 
-def test_bench_control_model_engine_prints_the_headline_json(tmp_path, capsys):
+def _bench_json(which: str, tmp_path, capsys, *argv: str) -> dict:
+    """`wattserve bench <which>` on the made-up calibration; its last line, parsed."""
     path = tmp_path / "cal.json"
     path.write_text(_calibration().to_json())
-    rc = cli_main(
-        [
-            "bench",
-            "control",
-            "--calibration",
-            str(path),
-            "--levels",
-            "fp32,bf16",
-            "--scenarios",
-            "steady60,budget_step",
-            "--systems",
-            "controller,max_clock,pid_power",
-            "--duration-s",
-            "45",
-            "--out",
-            str(tmp_path),
-        ]
-    )
+    rc = cli_main(["bench", which, "--calibration", str(path), *argv])
     assert rc == 0
     out = capsys.readouterr().out.strip().splitlines()
-    line = json.loads(out[-1])
+    return json.loads(out[-1])
+
+
+def test_bench_control_model_engine_prints_the_headline_json(tmp_path, capsys):
+    line = _bench_json(
+        "control",
+        tmp_path,
+        capsys,
+        "--levels",
+        "fp32,bf16",
+        "--scenarios",
+        "steady60,budget_step",
+        "--systems",
+        "controller,max_clock,pid_power",
+        "--duration-s",
+        "45",
+        "--out",
+        str(tmp_path),
+    )
     for key in (
         "attainment_pct",
         "energy_saving_vs_max_clock_pct",
@@ -153,29 +155,21 @@ def test_engine_model_study_mechanisms_per_phase_clocks_and_decode_pacing(tmp_pa
 
 
 def test_bench_control_ceiling_reports_each_family(tmp_path, capsys):
-    path = tmp_path / "cal.json"
-    path.write_text(_calibration().to_json())
-    rc = cli_main(
-        [
-            "bench",
-            "control-ceiling",
-            "--calibration",
-            str(path),
-            "--levels",
-            "bf16",
-            "--duration-s",
-            "30",
-            "--clocks-mhz",
-            "795,1980",
-            "--decode-clocks-mhz",
-            "345",
-            "--intervals-ms",
-            "150",
-        ]
+    line = _bench_json(
+        "control-ceiling",
+        tmp_path,
+        capsys,
+        "--levels",
+        "bf16",
+        "--duration-s",
+        "30",
+        "--clocks-mhz",
+        "795,1980",
+        "--decode-clocks-mhz",
+        "345",
+        "--intervals-ms",
+        "150",
     )
-    assert rc == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    line = json.loads(out[-1])
     assert line["scenario"] == "steady60" and line["max_clock_j_per_token"] > 0
     for fam in ("one_clock", "phase_clocks", "paced", "phase_clocks_paced"):
         assert f"{fam}_saving_pct" in line
