@@ -127,8 +127,11 @@ class ControllerParams:
     clock_candidates: int = 12
     descend_margin: float = 0.9
     descend_hold_s: float = 5.0
+    descend_evidence_steps: int = 300
     chunk_step_slo_factor: float = 2.5
     chunk_step_ttft_factor: float = 0.3
+    chunk_grow_margin: float = 0.75
+    chunk_period_s: float = 10.0
     slo_margin: float = 0.85
     power_margin: float = 0.95
     power_limit_margin: float = 0.98
@@ -136,6 +139,7 @@ class ControllerParams:
     guard_cooldown_s: float = 1.0
     guard_hold_s: float = 10.0
     power_hold_s: float = 5.0
+    power_hold_max_s: float = 60.0
     power_release_margin: float = 0.9
     power_noise_tolerance: float = 0.02
     queue_growth_ticks: int = 3
@@ -158,6 +162,7 @@ class ControllerParams:
     quant_trial_evidence_s: float = 1.0
     quant_trial_min_steps: int = 2
     quant_trial_max_s: float = 30.0
+    quant_trial_probe_fraction: int = 8
     quant_slow_retry_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -346,7 +351,13 @@ class Controller:
         # timescale bookkeeping
         self._last_clock_change_s = -math.inf
         self._last_clock_up_s = -math.inf
+        # The longest TTFT of the requests that arrived since the clock or the chunk cap
+        # last changed (None until one has its first token): a step down of either waits
+        # for one within slo_margin.
+        self._ttft_since_change_ms: float | None = None
+        self._last_shape_change_s = -math.inf
         self._last_batch_s = -math.inf
+        self._last_chunk_change_s = -math.inf
         self._last_quant_switch_s: float | None = None
         self._explored: set[str] = set()
         self._retried_s: dict[str, float] = {}  # when a known level was last tried again
@@ -358,6 +369,7 @@ class Controller:
         self._trial_steps = 0
         self._trial_measured_s = 0.0
         self._trial_expected_s = 0.0
+        self._probe_chunk_from: int | None = None  # the chunk before a trial's probe
         self._slow_here_s: dict[str, float] = {}  # levels whose trial measured them slower
         # guards
         self._waiting_hist: deque[int] = deque(maxlen=max(2, self.params.queue_growth_ticks + 1))
@@ -493,6 +505,9 @@ class Controller:
         # A request's latency spans seconds of operation, so it is compared with the model's
         # recent mean prediction (smoothed over about a request's life), and only while the
         # controller is tracking at one quantization level (not through learning or trials).
+        for x in stats.ttft_s:
+            if now_s - x >= self._last_shape_change_s:
+                self._ttft_since_change_ms = max(self._ttft_since_change_ms or 0.0, x * 1000.0)
         if self._pred_ttft_ms.value is not None and self.state == ControllerState.TRACKING:
             for x in stats.ttft_s:
                 self._ttft_ratio.add(now_s, x * 1000.0, self._pred_ttft_ms.value)
@@ -566,7 +581,19 @@ class Controller:
             self._trial_steps >= p.quant_trial_min_steps
             and self._trial_measured_s >= p.quant_trial_evidence_s
         ) or self._trial_measured_s >= 2 * p.quant_trial_evidence_s  # one long step will do
-        if enough and self._trial_measured_s > p.quant_trial_slowdown_max * self._trial_expected_s:
+        slow = self._trial_measured_s > p.quant_trial_slowdown_max * self._trial_expected_s
+        if enough and not slow and self._probe_chunk_from is not None:
+            # The probe's steps ran within the bound: the trial goes on at the full chunk.
+            chunk, self._probe_chunk_from = self._probe_chunk_from, None
+            return _Choice(
+                ControllerState.TRACKING,
+                base.with_changes(max_num_batched_tokens=chunk),
+                Reason.OPTIMIZE,
+                f"trial of {tried}: its first {self._trial_steps} steps within "
+                f"{p.quant_trial_slowdown_max:g}x {before}'s model; chunk "
+                f"{base.max_num_batched_tokens} -> {chunk}",
+            )
+        if enough and slow:
             ratio = self._trial_measured_s / max(self._trial_expected_s, 1e-9)
             why = (
                 f"its {self._trial_steps} steps took {ratio:.1f}x what {before}'s model "
@@ -586,9 +613,11 @@ class Controller:
         self._exploring = None
         self._last_quant_switch_s = now_s
         self._quant_left_s[tried] = now_s
+        chunk = self._probe_chunk_from or base.max_num_batched_tokens
+        self._probe_chunk_from = None
         return _Choice(
             ControllerState.TRACKING,
-            base.with_changes(quant_level=before),
+            base.with_changes(quant_level=before, max_num_batched_tokens=chunk),
             Reason.QUANT_SWITCH,
             f"quantization {tried} -> {before}: trial of {tried} aborted, {why}",
         )
@@ -851,9 +880,10 @@ class Controller:
             target = min(self._snap(scaled), one_down)
         target = max(target, self.device.sm_clock_min_mhz)
         # A guard that fires again soon after its ceiling was released holds twice as long
-        # (up to 4x): the release was too early, and must not become a limit cycle.
+        # (up to power_hold_max_s): the release was too early, and must not become a limit
+        # cycle.
         if now_s - self._last_power_guard_s < 2 * self._power_hold_s:
-            self._power_hold_s = min(self._power_hold_s * 2, 4 * p.power_hold_s)
+            self._power_hold_s = min(self._power_hold_s * 2, p.power_hold_max_s)
         else:
             self._power_hold_s = p.power_hold_s
         self._last_power_guard_s = now_s
@@ -1093,8 +1123,15 @@ class Controller:
         """Where the board power limit enforces the budget, always; elsewhere the predicted
         1 s mean and the hungriest phase (a prefill step, 100 ms windows, scaled by the
         measured peak ratio) must fit power_margin x budget."""
-        if self._hw_limit_enforces(budget_w):
-            return True  # the board limit (set at the budget) holds it, at 100 ms
+        if (
+            self._hw_limit_enforces(budget_w)
+            and self._now_s - self._last_power_guard_s >= self.params.power_hold_max_s
+        ):
+            # The board limit (set at the budget) holds it, at 100 ms; unless the power
+            # guard has had to act within power_hold_max_s: then the limit did not hold
+            # (or not in time), and a clock predicted over the budget would only be
+            # knocked down again.
+            return True
         limit = budget_w * self.params.power_margin
         if pr.power_w > limit:
             return False
@@ -1289,11 +1326,22 @@ class Controller:
             gain = 100.0 * (1.0 - best.j_per_token / now_pred.j_per_token)
         may_change = now_s - self._last_clock_change_s >= p.clock_min_interval_s
         # Fast up, slow down: after any move up, no move down for descend_hold_s, and none
-        # while requests queue (the model's steady state is not what they see).
+        # while requests queue (the model's steady state is not what they see). While the
+        # level's model is young (under descend_evidence_steps steps), a step below every
+        # clock it has been seen at waits for a request that arrived at the clock in force
+        # to see its first token within slo_margin x the TTFT SLO: there the clock
+        # sensitivity is extrapolated from a few prefill steps (on the real engine, 8 s in,
+        # it called 795 MHz safe at 645 ms TTFT; the next request took 2.1 s).
+        model = self._step_model(level)
+        young = model.samples < p.descend_evidence_steps
+        unseen_below = target < min(
+            model.seen_clocks(p.trust_min_samples), default=self.device.sm_clock_max_mhz
+        )
         may_descend = (
             may_change
             and now_s - self._last_clock_up_s >= p.descend_hold_s
             and self._waiting_now == 0
+            and (self._ttft_seen() or not (young and unseen_below))
         )
         if now_ok:
             self._infeasible_since_s = None
@@ -1402,20 +1450,49 @@ class Controller:
             self._waiting_now > 0 or now_s - self._last_guard_s < p.guard_hold_s or infeasible
         ):
             seqs = knobs.max_num_seqs  # no smaller batch while a queue is being served
-        tokens = self._chunk_cap(level, clock, min(seqs, max(1, math.ceil(batch))), ctx)
-        if tokens < knobs.max_num_batched_tokens and now_s - self._last_guard_s < p.guard_hold_s:
-            tokens = knobs.max_num_batched_tokens  # not while a guard is holding
+        tokens = self._chunk_cap(
+            level, clock, min(seqs, max(1, math.ceil(batch))), ctx, knobs.max_num_batched_tokens
+        )
+        tokens = self._chunk_for_ttft(
+            level, clock, seqs, tokens, knobs.max_num_batched_tokens, workload
+        )
+        if seqs < knobs.max_num_seqs and not self._feasible(
+            self._predict(level, clock, seqs, tokens, workload, None), budget_w
+        ):
+            seqs = knobs.max_num_seqs  # a smaller batch cap must be predicted to meet targets
+        if tokens < knobs.max_num_batched_tokens:
+            if now_s - self._last_guard_s < p.guard_hold_s or not self._ttft_seen():
+                tokens = knobs.max_num_batched_tokens  # not while a guard holds, nor unproven
+            else:
+                # One halving at a time: the model's prefill costs rest on the chunks it has
+                # seen (at the start, 512-token ones only; it called 64 safe at 1.35 s TTFT on
+                # the real engine, and the next prompt took 2.7 s).
+                tokens = max(tokens, knobs.max_num_batched_tokens // 2)
         if tokens > knobs.max_num_batched_tokens and not self._hw_limit_enforces(budget_w):
             tokens = knobs.max_num_batched_tokens
+        if self._probe_chunk_from is not None:
+            tokens = knobs.max_num_batched_tokens  # a trial's probe holds its small chunk
+        if tokens != knobs.max_num_batched_tokens:
+            # The bound moves with the estimated decode batch, whose noise must not flip
+            # the chunk every period: one change per chunk_period_s (a clock raise or a
+            # guard takes the bigger chunk at once, elsewhere).
+            if now_s - self._last_chunk_change_s < p.chunk_period_s:
+                tokens = knobs.max_num_batched_tokens
+            else:
+                self._last_chunk_change_s = now_s
         return seqs, tokens
 
-    def _chunk_cap(self, level: str, clock: int, batch: int, ctx: float) -> int:
+    def _chunk_cap(
+        self, level: str, clock: int, batch: int, ctx: float, current: int | None = None
+    ) -> int:
         """The largest power-of-two fraction of the configured chunk whose step (beside a
         decode batch of `batch`) stays within chunk_step_slo_factor x the TPOT SLO at this
         clock: a prefill chunk stalls every decode for a step, and at a low clock a full
         chunk takes seconds (prefill is compute-bound); and within chunk_step_ttft_factor
         x the TTFT SLO: a prompt arriving as a full chunk starts waits for it, then for
-        its own."""
+        its own. A chunk above the `current` one must fit within chunk_grow_margin x that
+        (the bound moves with the estimated decode batch: its noise must not flip the
+        chunk)."""
         p, e = self.params, self.engine
         co = self._step_model(level).coefficients(clock, ctx)
         step_max_s = min(
@@ -1424,10 +1501,46 @@ class Controller:
         )
         tokens = e.max_num_batched_tokens_max
         while tokens > e.max_num_batched_tokens_min:
-            if co.step_s(tokens, batch, batch * ctx) <= step_max_s:
+            tighten = p.chunk_grow_margin if current is not None and tokens > current else 1.0
+            if co.step_s(tokens, batch, batch * ctx) <= step_max_s * tighten:
                 break
             tokens = max(e.max_num_batched_tokens_min, tokens // 2)
         return tokens
+
+    def _ttft_seen(self) -> bool:
+        """A request that arrived since the clock or the chunk cap last changed has seen its
+        first token within slo_margin x the TTFT SLO: evidence that the configuration in
+        force works before the next step down."""
+        return (
+            self._ttft_since_change_ms is not None
+            and self._ttft_since_change_ms <= self.params.slo_margin * self._policy.ttft_slo_ms
+        )
+
+    def _chunk_for_ttft(
+        self, level: str, clock: int, seqs: int, tokens: int, current: int, workload: Workload
+    ) -> int:
+        """A smaller chunk shortens the stall a prefill step puts on every decode, but each
+        chunk also pays a step's fixed and decode costs, and a prompt takes more of them:
+        where the step-bounded chunk `tokens` is predicted to miss slo_margin x the TTFT
+        SLO, the smallest larger power-of-two chunk predicted to meet it, else the one
+        predicted fastest (on a CPU, whose steps carry a large fixed cost, a 128-token
+        chunk took a 300-token prompt past the SLO that 512 met). A chunk below the
+        `current` one must meet it by descend_margin more (noise near the edge must not
+        flip the chunk)."""
+        p = self.params
+        limit_ms = p.slo_margin * self._policy.ttft_slo_ms
+        top = self.engine.max_num_batched_tokens_max
+        best_ms, best = math.inf, tokens
+        t = tokens
+        while True:
+            ttft_ms = self._predict(level, clock, seqs, t, workload, None).ttft_ms
+            if ttft_ms <= limit_ms * (p.descend_margin if t < current else 1.0):
+                return t
+            if ttft_ms < best_ms:
+                best_ms, best = ttft_ms, t
+            if t >= top:
+                return best
+            t = min(top, t * 2)
 
     def _best_allowed_level(self, allowed: tuple[str, ...], current: str) -> str:
         if self.engine.full_precision_level in allowed:
@@ -1537,6 +1650,10 @@ class Controller:
             # Both over the same clocks: the union of where either has been trusted.
             mine, theirs = best_for(tried, True, before), best_for(before, True, tried)
             if theirs is not None and (mine is None or self._score(theirs) <= self._score(mine)):
+                if self._trial_measured_s > self._trial_expected_s > 0.0:
+                    # Slower than the level before, if not by enough to end the trial early:
+                    # the table that ranked it faster is wrong here too.
+                    self._slow_here_s[tried] = now_s
                 return switch(theirs, f"the trial of {tried} predicts no gain")
             if mine is None and theirs is None:
                 # Neither meets the targets: keep the one with more latency headroom at the
@@ -1641,6 +1758,16 @@ class Controller:
                 and (hint(lv)[0] < hint(level)[0] or hint(lv)[0] == 0.0)
             ]
             what = f"not measured at batches of {self._running_now} yet"
+        # A level the table ranks no faster than one measured slower here is not tried: the
+        # table's error is the machine's (on a CPU without bf16 or int8 instructions both
+        # ran 1.6-2x slower than fp32), and each such trial costs latency until its verdict.
+        slow_known = [
+            hint(lv)[0]
+            for lv, t in self._slow_here_s.items()
+            if now_s - t < p.quant_slow_retry_s and hint(lv)[0] < 0.0
+        ]
+        if slow_known:
+            unexplored = [lv for lv in unexplored if hint(lv)[0] < min(slow_known)]
         steady_s = now_s - self._feasible_since_s if self._feasible_since_s is not None else 0.0
         calm = now_s - self._last_guard_s >= p.guard_hold_s and steady_s >= 5.0
         # Once a trial has measured a level much slower than the table said, the table is
@@ -1659,13 +1786,29 @@ class Controller:
             self._start_trial(target, level, stuck, now_s)
             self._quant_left_s[level] = now_s
             self._last_quant_switch_s = now_s
+            # A calm trial's first steps run with a small prefill chunk (a probe): a level
+            # far slower than the table says shows it in short steps, not in one that
+            # stalls every request for seconds (a 256-token bf16 step took 6 s on the real
+            # engine here; a step once started runs to its end). The verdict restores the
+            # chunk. Not an escape under load: there the queue needs the full chunk.
+            probe = max(
+                self.engine.max_num_batched_tokens_min,
+                base.max_num_batched_tokens // p.quant_trial_probe_fraction,
+            )
+            knobs = base.with_changes(quant_level=target)
+            note = ""
+            if probe < base.max_num_batched_tokens and not stuck:
+                self._probe_chunk_from = base.max_num_batched_tokens
+                knobs = knobs.with_changes(max_num_batched_tokens=probe)
+                note = f"; chunk {base.max_num_batched_tokens} -> {probe} until its first steps"
             return _Choice(
                 ControllerState.TRACKING,
-                base.with_changes(quant_level=target),
+                knobs,
                 Reason.QUANT_EXPLORE,
                 f"quantization {level} -> {target}: {what}; trying it for "
                 f"{p.quant_explore_dwell_s:g} s (latency guards stay armed)"
-                + ("; the current level cannot meet the targets" if stuck else ""),
+                + ("; the current level cannot meet the targets" if stuck else "")
+                + note,
             )
         return None
 
@@ -1713,6 +1856,11 @@ class Controller:
     def _finish(
         self, choice: _Choice, now_s: float, budget_w: float, telemetry: Telemetry | None
     ) -> Decision:
+        if self._probe_chunk_from is not None and self._exploring is None:
+            # However the trial ended, the chunk its probe cut comes back.
+            chunk = max(choice.knobs.max_num_batched_tokens, self._probe_chunk_from)
+            choice.knobs = choice.knobs.with_changes(max_num_batched_tokens=chunk)
+            self._probe_chunk_from = None
         knobs = self._clamp(choice.knobs)
         if not self.device.can_lock_clocks and self.device.can_set_power_limit:
             knobs = self._clock_as_power_limit(choice.knobs, knobs, budget_w, telemetry)
@@ -1727,6 +1875,9 @@ class Controller:
             self._last_clock_change_s = now_s
             if (knobs.sm_clock_mhz or 0) > (previous.sm_clock_mhz or 0):
                 self._last_clock_up_s = now_s
+        if "sm_clock_mhz" in changed or "max_num_batched_tokens" in changed:
+            self._last_shape_change_s = now_s
+            self._ttft_since_change_ms = None
         if choice.state != self.state:
             key = f"{self.state.value}->{choice.state.value}"
             self.counters.transitions[key] = self.counters.transitions.get(key, 0) + 1

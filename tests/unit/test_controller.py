@@ -709,3 +709,136 @@ def test_measured_steps_overrule_a_step_model_that_would_cut_the_batch_cap():
     knobs = Knobs(64, 512, "fp32", 1980)
     seqs, _ = ctl._choose_caps("fp32", 1980, calm, knobs, plant.t_s, 400.0)
     assert seqs >= ran
+
+
+def test_after_one_level_is_measured_slow_the_table_is_not_trusted_for_slower_ones():
+    # The table has bf16 and int8 faster than fp32 (bf16 the faster); here both are four
+    # times slower. The calm load lets the controller try bf16, which it measures slow
+    # and leaves; int8, ranked below bf16 by the same table, is then not tried at all:
+    # the table's error is the machine's, and each such trial costs latency.
+    levels = (
+        QuantOption("fp32", 0.0, 4, decode_tok_s=300.0),
+        QuantOption("bf16", 0.1, 2, decode_tok_s=600.0),
+        QuantOption("int8", 0.5, 1, decode_tok_s=500.0),
+    )
+    params = ControllerParams(quant_dwell_s=20.0, quant_explore_dwell_s=10.0)
+    ctl = make_controller(levels=levels, params=params)
+    plant = Plant(
+        compute_share=0.1,
+        decode_rate_tok_s=40.0,
+        prompt_rate_tok_s=40.0,
+        request_rate_s=0.3,
+        level_speed={"fp32": 1.0, "bf16": 4.0, "int8": 4.0},
+    )
+    decisions = run(ctl, plant, 300)
+    trials = [d.knobs.quant_level for d in decisions if d.reason_code is Reason.QUANT_EXPLORE]
+    assert trials == ["bf16"]
+    assert ctl._slow_here_s.get("bf16") is not None
+    assert "int8" not in ctl._step_models
+    assert decisions[-1].knobs.quant_level == "fp32"
+
+
+def _cpu_like_step_model(ctl: Controller) -> None:
+    """A step model fitted on CPU-like steps: a large fixed cost per step (0.15 s), 2.3 ms
+    per prompt token, 5 ms per decode token, at the top clock, prefill chunks of every
+    size; installed as fp32's."""
+    from controller.models import StepTimeModel
+
+    model = StepTimeModel(1980)
+    rng = random.Random(1)
+    for _ in range(400):
+        prefill = rng.choice((0, 0, 32, 64, 128, 256, 512))
+        decode = rng.randint(1, 12)
+        t = 0.15 + 0.0023 * prefill + 0.005 * decode
+        model.learn(StepRecord(0.0, t, prefill, decode, decode * 200, "fp32", 1980), 1980)
+    ctl._step_models["fp32"] = model
+
+
+def test_the_prefill_chunk_is_not_cut_below_what_the_ttft_slo_needs():
+    import dataclasses
+
+    ctl = make_controller()
+    plant = Plant(compute_share=0.5, decode_rate_tok_s=5.0, prompt_rate_tok_s=100.0)
+    for _ in range(120):
+        telemetry, stats = plant.tick(None)
+        ctl._ingest(telemetry, stats, plant.t_s)
+    _cpu_like_step_model(ctl)
+    # 250-token prompts, one every 5 s, a handful decoding.
+    load = dataclasses.replace(
+        ctl._workload.current(),
+        request_rate_per_s=0.2,
+        prompt_tokens_per_s=50.0,
+        output_tokens_per_s=5.0,
+        mean_prompt_tokens=250.0,
+        prefill_time_share=None,
+    )
+    ctx = load.mean_context_tokens
+    # The step bound alone (0.5 s steps for the 200 ms TPOT SLO) wants a 128-token chunk,
+    # which takes a 250-token prompt two steps, each with its fixed cost; the model
+    # predicts that past 0.85 x the 2 s TTFT SLO, and a bigger chunk within it.
+    bound = ctl._chunk_cap("fp32", 1980, 2, ctx)
+    assert bound <= 128
+    limit_ms = 0.85 * 2000.0
+    assert ctl._predict("fp32", 1980, 64, bound, load, None).ttft_ms > limit_ms
+    seqs, tokens = ctl._choose_caps("fp32", 1980, load, Knobs(64, bound, "fp32", 1980), 0.0, 400.0)
+    assert tokens > bound
+    assert ctl._predict("fp32", 1980, 64, tokens, load, None).ttft_ms <= limit_ms
+
+
+@pytest.mark.parametrize("speed", [4.0, 0.8])
+def test_a_calm_trial_probes_with_a_small_chunk_and_restores_it(speed):
+    # A calm trial's first steps run with an eighth of the chunk: a level four times
+    # slower than its table says shows it in short steps. Either way the chunk comes back
+    # (at the verdict for the slow level, once its first steps are in for the good one).
+    levels = (
+        QuantOption("fp32", 0.0, 4, decode_tok_s=300.0),
+        QuantOption("int8", 0.5, 1, decode_tok_s=600.0),
+    )
+    params = ControllerParams(quant_dwell_s=20.0, quant_explore_dwell_s=10.0)
+    ctl = make_controller(levels=levels, params=params)
+    plant = Plant(
+        compute_share=0.1,
+        decode_rate_tok_s=40.0,
+        prompt_rate_tok_s=40.0,
+        request_rate_s=0.3,
+        level_speed={"fp32": 1.0, "int8": speed},
+    )
+    decisions = run(ctl, plant, 240)
+    i = next(i for i, d in enumerate(decisions) if d.reason_code is Reason.QUANT_EXPLORE)
+    before = decisions[i - 1].knobs.max_num_batched_tokens
+    assert before >= 128
+    assert decisions[i].knobs.max_num_batched_tokens == before // 8
+    # The chunk is back within a few seconds of the trial's start.
+    back = next(d for d in decisions[i + 1 :] if d.knobs.max_num_batched_tokens >= before)
+    assert back.at_s - decisions[i].at_s < 5.0
+    if speed > 1.0:
+        assert back.reason_code is Reason.QUANT_SWITCH and back.knobs.quant_level == "fp32"
+    else:
+        assert back.knobs.quant_level == "int8" and "within" in back.reason
+
+
+def test_after_the_power_guard_acts_the_board_limit_is_not_taken_on_trust():
+    # Where the board limit can hold the budget, the optimiser takes its word for any
+    # clock; once the power guard has had to act (the limit did not hold), a clock
+    # predicted over the budget is out for power_hold_max_s.
+    import dataclasses
+
+    ctl = make_controller(budget_w=300.0)
+    plant = Plant(compute_share=0.5, decode_rate_tok_s=30.0, prompt_rate_tok_s=30.0)
+    decisions = run(ctl, plant, 30)  # a light load: well within the budget
+    assert not any(d.reason_code is Reason.OVER_BUDGET for d in decisions)
+    heavy = dataclasses.replace(
+        ctl._workload.current(), output_tokens_per_s=300.0, prompt_tokens_per_s=300.0
+    )
+    top = ctl._predict("fp32", 1980, 64, 512, heavy, None)
+    assert top.peak_power_w > 300.0  # its prefill steps are predicted over the budget
+    assert ctl._hw_limit_enforces(300.0)
+    assert ctl._within_budget(top, 300.0)
+    # A reading well over the budget: the board limit did not hold it.
+    telemetry, stats = plant.tick(ctl.knobs)
+    over = dataclasses.replace(telemetry, power_w=360.0, power_avg_w=360.0)
+    assert ctl.observe(over, stats, plant.t_s).reason_code is Reason.OVER_BUDGET
+    assert not ctl._within_budget(top, 300.0)
+    plant.decode_rate_tok_s = plant.prompt_rate_tok_s = 0.0
+    run(ctl, plant, ctl.params.power_hold_max_s + 1.0)
+    assert ctl._within_budget(top, 300.0)
