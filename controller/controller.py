@@ -90,7 +90,10 @@ class ControllerParams:
     """Tuning of the controller; defaults suit a GPU with a 100 ms telemetry period.
 
     Timescales: the clock may change every clock_min_interval_s (down: also only descend_hold_s
-    after a move up, for a clock_gain_min_pct gain), the batch caps every batch_period_s, the
+    after a move up, for a clock_gain_min_pct gain, and while the level's model has fewer than
+    descend_evidence_steps steps, below the clocks it has seen only after a first token at the
+    clock in force), the batch caps every batch_period_s (the chunk at most every
+    chunk_period_s, growing only within chunk_grow_margin of its bound), the
     quantization level after quant_dwell_s for a predicted gain of quant_gain_min_pct (a never-
     run level is tried for quant_explore_dwell_s; a level that cannot cope for quant_stuck_s is
     left sooner); a level's model is trusted up to batch_trust_factor x the largest decode batch
@@ -101,7 +104,8 @@ class ControllerParams:
     them have run, a level whose steps took more than quant_trial_slowdown_max x what the level
     before would have taken (its model, at the clocks they ran) is left at once, and not tried
     again for quant_slow_retry_s; a trial still learning after quant_trial_max_s ends too (bench
-    quant's speed table may come from another machine). A prefill chunk's step at the clock in
+    quant's speed table may come from another machine). A calm trial's first steps run with
+    1/quant_trial_probe_fraction of the chunk. A prefill chunk's step at the clock in
     force stays within chunk_step_slo_factor x the TPOT SLO and chunk_step_ttft_factor x the
     TTFT SLO. Margins: predictions must meet slo_margin x SLO (x descend_margin for a lower
     clock) and power_margin x budget; the board power limit is set to power_limit_margin x
@@ -109,9 +113,11 @@ class ControllerParams:
     guard raises the clock by guard_clock_steps candidates, or to the lowest clock predicted to
     prefill the waiting queue within slo_margin x the TTFT SLO (at most every guard_cooldown_s),
     and holds that floor for guard_hold_s; a power guard lowers the clock at once and holds that
-    ceiling for power_hold_s (anti-windup), released once power is under power_release_margin x
-    budget. Thermal: the budget is derated linearly from 1 at thermal_derate_start_c of margin
-    to thermal_derate_min at thermal_derate_full_c. Stale telemetry: hold for stale_hold_s, then
+    ceiling for power_hold_s (anti-windup; doubled up to power_hold_max_s when it fires again
+    soon, and for power_hold_max_s after it fires the board limit is not trusted to hold the
+    budget), released once power is under power_release_margin x budget. Thermal: the budget
+    is derated linearly from 1 at thermal_derate_start_c of margin to thermal_derate_min at
+    thermal_derate_full_c. Stale telemetry: hold for stale_hold_s, then
     the fallback knobs. Learning: learning_min_steps steps and learning_min_power_samples
     readings before the models are used; a clock counts as seen after trust_min_samples steps,
     and trust reaches trust_clock_steps beyond.
