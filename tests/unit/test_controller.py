@@ -165,6 +165,25 @@ class Plant:
         return telemetry, stats
 
 
+# bench quant's speed tables (decode tok/s at batch 16) for the trial tests: levels the
+# table calls faster than fp32.
+TABLE_INT8_TWICE_AS_FAST = (
+    QuantOption("fp32", 0.0, 4, decode_tok_s=300.0),
+    QuantOption("int8", 0.5, 1, decode_tok_s=600.0),
+)
+TABLE_BF16_THEN_INT8 = (
+    QuantOption("fp32", 0.0, 4, decode_tok_s=300.0),
+    QuantOption("bf16", 0.1, 2, decode_tok_s=600.0),
+    QuantOption("int8", 0.5, 1, decode_tok_s=500.0),
+)
+
+
+def trial_controller(levels: tuple[QuantOption, ...]) -> Controller:
+    """A controller that tries levels quickly: 10 s trials, a 20 s dwell."""
+    params = ControllerParams(quant_dwell_s=20.0, quant_explore_dwell_s=10.0)
+    return make_controller(levels=levels, params=params)
+
+
 def run(ctl: Controller, plant: Plant, seconds: float, **tick_kwargs) -> list:
     decisions = []
     knobs = ctl.knobs
@@ -632,12 +651,7 @@ def test_the_prefill_chunk_shrinks_at_a_low_clock():
 def test_a_trial_level_measured_much_slower_than_its_table_says_is_left_at_once():
     # bench quant's table (from another machine, say) has int8 twice as fast as fp32;
     # here its steps take four times as long.
-    levels = (
-        QuantOption("fp32", 0.0, 4, decode_tok_s=300.0),
-        QuantOption("int8", 0.5, 1, decode_tok_s=600.0),
-    )
-    params = ControllerParams(quant_dwell_s=20.0, quant_explore_dwell_s=10.0)
-    ctl = make_controller(levels=levels, params=params)
+    ctl = trial_controller(TABLE_INT8_TWICE_AS_FAST)
     plant = Plant(
         compute_share=0.1,
         decode_rate_tok_s=40.0,
@@ -663,13 +677,7 @@ def test_after_a_trial_proves_the_table_wrong_no_escape_trials_under_load():
     # fastest), measures it slower and comes back; it then does not try int8 under that
     # load on the same table's word (a trial that would cost the queue seconds of slow
     # steps), only at a calm moment, which this load never has.
-    levels = (
-        QuantOption("fp32", 0.0, 4, decode_tok_s=300.0),
-        QuantOption("bf16", 0.1, 2, decode_tok_s=600.0),
-        QuantOption("int8", 0.5, 1, decode_tok_s=500.0),
-    )
-    params = ControllerParams(quant_dwell_s=20.0, quant_explore_dwell_s=10.0)
-    ctl = make_controller(levels=levels, params=params)
+    ctl = trial_controller(TABLE_BF16_THEN_INT8)
     plant = Plant(
         compute_share=0.3,
         decode_rate_tok_s=300.0,
@@ -716,13 +724,7 @@ def test_after_one_level_is_measured_slow_the_table_is_not_trusted_for_slower_on
     # times slower. The calm load lets the controller try bf16, which it measures slow
     # and leaves; int8, ranked below bf16 by the same table, is then not tried at all:
     # the table's error is the machine's, and each such trial costs latency.
-    levels = (
-        QuantOption("fp32", 0.0, 4, decode_tok_s=300.0),
-        QuantOption("bf16", 0.1, 2, decode_tok_s=600.0),
-        QuantOption("int8", 0.5, 1, decode_tok_s=500.0),
-    )
-    params = ControllerParams(quant_dwell_s=20.0, quant_explore_dwell_s=10.0)
-    ctl = make_controller(levels=levels, params=params)
+    ctl = trial_controller(TABLE_BF16_THEN_INT8)
     plant = Plant(
         compute_share=0.1,
         decode_rate_tok_s=40.0,
@@ -790,12 +792,7 @@ def test_a_calm_trial_probes_with_a_small_chunk_and_restores_it(speed):
     # A calm trial's first steps run with an eighth of the chunk: a level four times
     # slower than its table says shows it in short steps. Either way the chunk comes back
     # (at the verdict for the slow level, once its first steps are in for the good one).
-    levels = (
-        QuantOption("fp32", 0.0, 4, decode_tok_s=300.0),
-        QuantOption("int8", 0.5, 1, decode_tok_s=600.0),
-    )
-    params = ControllerParams(quant_dwell_s=20.0, quant_explore_dwell_s=10.0)
-    ctl = make_controller(levels=levels, params=params)
+    ctl = trial_controller(TABLE_INT8_TWICE_AS_FAST)
     plant = Plant(
         compute_share=0.1,
         decode_rate_tok_s=40.0,
