@@ -1765,8 +1765,9 @@ class Controller:
             ]
             what = f"not measured at batches of {self._running_now} yet"
         # A level the table ranks no faster than one measured slower here is not tried: the
-        # table's error is the machine's (on a CPU without bf16 or int8 instructions both
-        # ran 1.6-2x slower than fp32), and each such trial costs latency until its verdict.
+        # table's error is the machine's (on a CPU without bf16 or int8 instructions, their
+        # trials measured them 1.5-4x slower than fp32), and each trial costs latency until
+        # its verdict.
         slow_known = [
             hint(lv)[0]
             for lv, t in self._slow_here_s.items()
