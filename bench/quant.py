@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     from daemon.config import default_cache_dir
     from daemon.engine.engine import Engine, EngineOptions
     from daemon.engine.loader import load_model
-    from kernels.quant import full_precision_level
+    from wattserve_kernels.quant import full_precision_level
 
     ap = argparse.ArgumentParser(prog="wattserve bench quant", description=__doc__)
     ap.add_argument("--model", default="embedded")

@@ -54,7 +54,7 @@ class ServerConfig(_Section):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 
-# Weight quantization level names (kernels/quant.py LEVEL_NAMES; kept equal by a test,
+# Weight quantization level names (wattserve_kernels/quant.py LEVEL_NAMES; kept equal by a test,
 # spelled out here so that reading the config needs no torch).
 QuantLevelName = Literal["fp32", "bf16", "int8", "int4", "int4-g128", "fp8"]
 

@@ -30,7 +30,7 @@ from daemon.engine.model import LlamaModel, model_shape
 from daemon.engine.request import InvalidRequestError, RequestOutput, SamplingParams
 from daemon.engine.sampler import make_generator, sample
 from daemon.engine.scheduler import EngineLimits, SchedulePlan, Scheduler, Sequence
-from kernels.quant import QuantLevelError, level_unavailable_reason, parse_level
+from wattserve_kernels.quant import QuantLevelError, level_unavailable_reason, parse_level
 
 log = logging.getLogger(__name__)
 

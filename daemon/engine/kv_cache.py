@@ -2,7 +2,7 @@
 
 Plain Python over plain data: it decides which cache blocks belong to which sequence,
 and never touches tensors (the model runner owns the K/V tensors that the block ids
-index; see kernels/attention.py for the layout). No torch import here.
+index; see wattserve_kernels/attention.py for the layout). No torch import here.
 """
 
 from __future__ import annotations

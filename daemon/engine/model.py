@@ -5,7 +5,7 @@ single matrices), then runs flat token batches: every scheduled token of every
 sequence in one [T, hidden] tensor, no padding, logits only where a token is sampled.
 It owns the K/V tensors; it must not decide which blocks a sequence gets (that is
 kv_cache.py) nor which tokens run (scheduler.py). The matmul weights come in levels
-(kernels/quant.py): the loaded one is built at start, others from the transformers
+(wattserve_kernels/quant.py): the loaded one is built at start, others from the transformers
 model's weights on first use; forward() reads the active level once per call, so a
 switch between two steps leaves the KV cache and every running sequence as they are.
 """
@@ -19,16 +19,16 @@ import torch
 import torch.nn.functional as F
 
 from daemon.engine.scheduler import ScheduledChunk
-from kernels.attention import (
+from wattserve_kernels.attention import (
     decode_attention_mask,
     paged_decode_attention,
     paged_prefill_attention,
     prefill_attention_mask,
     write_kv,
 )
-from kernels.linear import Linear
-from kernels.norm_rope import RotaryTable, apply_rope, rms_norm
-from kernels.quant import (
+from wattserve_kernels.linear import Linear
+from wattserve_kernels.norm_rope import RotaryTable, apply_rope, rms_norm
+from wattserve_kernels.quant import (
     LinearLike,
     full_precision_level,
     head_level,

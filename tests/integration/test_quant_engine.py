@@ -14,8 +14,8 @@ from bench.quant import sequence_logits
 from daemon.engine.engine import Engine, EngineOptions
 from daemon.engine.loader import load_model
 from daemon.engine.request import RequestOutput, SamplingParams
-from kernels.quant import QuantLevelError
 from tests.integration.test_engine import block_bytes, prompts_for
+from wattserve_kernels.quant import QuantLevelError
 
 QUANT_LEVELS = ("int8", "int4", "int4-g128")
 ALL_LEVELS = ("fp32", "bf16") + QUANT_LEVELS

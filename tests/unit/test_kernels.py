@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import (
+from wattserve_kernels.attention import (
     attention_reference,
     decode_attention_mask,
     paged_decode_attention,
@@ -16,8 +16,8 @@ from kernels.attention import (
     prefill_attention_mask,
     write_kv,
 )
-from kernels.linear import Linear
-from kernels.norm_rope import (
+from wattserve_kernels.linear import Linear
+from wattserve_kernels.norm_rope import (
     RotaryTable,
     apply_rope,
     apply_rope_reference,

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from daemon.config import QuantLevelName
-from kernels.linear import Linear
-from kernels.quant import (
+from wattserve_kernels.linear import Linear
+from wattserve_kernels.quant import (
     LEVEL_NAMES,
     CastLinear,
     Fp8Linear,

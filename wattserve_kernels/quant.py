@@ -1,7 +1,7 @@
 """Weight-only quantized linears (int8, int4, fp8) and the levels the engine switches between.
 
 A level names how every matmul weight of the model is stored: `fp32` / `bf16` (dense,
-oneDNN-packed through kernels.linear), `int8` (per-output-channel symmetric scales),
+oneDNN-packed through wattserve_kernels.linear), `int8` (per-output-channel symmetric scales),
 `int4` (group-wise over in-features, group 32, or `int4-g128`, with a scale and a
 zero point per group; the LM head of an int4 level is int8) and `fp8` (e4m3 weights
 and dynamically scaled e4m3 activations, CUDA compute capability >= 8.9 only). Each
@@ -22,7 +22,7 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
-from kernels.linear import Linear
+from wattserve_kernels.linear import Linear
 
 LevelKind = Literal["dense", "int8", "int4", "fp8"]
 
