@@ -197,6 +197,14 @@ class ControllerParams:
             raise ValueError("ControllerParams: thermal_derate_full_c must be < _start_c")
         if self.clock_candidates < 2 or self.guard_clock_steps < 1:
             raise ValueError("ControllerParams: clock_candidates >= 2, guard_clock_steps >= 1")
+        if not 0 < self.chunk_grow_margin <= 1:
+            raise ValueError("ControllerParams.chunk_grow_margin must be in (0, 1]")
+        if self.quant_trial_probe_fraction < 1 or self.quant_trial_slowdown_max < 1:
+            raise ValueError(
+                "ControllerParams: quant_trial_probe_fraction >= 1, quant_trial_slowdown_max >= 1"
+            )
+        if self.power_hold_max_s < self.power_hold_s:
+            raise ValueError("ControllerParams.power_hold_max_s must be >= power_hold_s")
 
 
 @dataclass(frozen=True)
@@ -619,11 +627,9 @@ class Controller:
         self._exploring = None
         self._last_quant_switch_s = now_s
         self._quant_left_s[tried] = now_s
-        chunk = self._probe_chunk_from or base.max_num_batched_tokens
-        self._probe_chunk_from = None
-        return _Choice(
+        return _Choice(  # _finish restores a chunk the trial's probe cut
             ControllerState.TRACKING,
-            base.with_changes(quant_level=before, max_num_batched_tokens=chunk),
+            base.with_changes(quant_level=before),
             Reason.QUANT_SWITCH,
             f"quantization {tried} -> {before}: trial of {tried} aborted, {why}",
         )

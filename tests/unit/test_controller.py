@@ -839,3 +839,19 @@ def test_after_the_power_guard_acts_the_board_limit_is_not_taken_on_trust():
     plant.decode_rate_tok_s = plant.prompt_rate_tok_s = 0.0
     run(ctl, plant, ctl.params.power_hold_max_s + 1.0)
     assert ctl._within_budget(top, 300.0)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"chunk_grow_margin": 0.0},
+        {"chunk_grow_margin": 1.5},
+        {"quant_trial_probe_fraction": 0},
+        {"quant_trial_slowdown_max": 0.9},
+        {"power_hold_max_s": 1.0},
+    ],
+)
+def test_controller_params_refuse_values_that_make_no_sense(bad):
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=name):
+        ControllerParams(**bad)
