@@ -184,6 +184,25 @@ def trial_controller(levels: tuple[QuantOption, ...]) -> Controller:
     return make_controller(levels=levels, params=params)
 
 
+def learn_only(ctl: Controller, plant: Plant, ticks: int) -> None:
+    """Feed the controller `ticks` observations to learn from, deciding nothing."""
+    for _ in range(ticks):
+        telemetry, stats = plant.tick(None)
+        ctl._ingest(telemetry, stats, plant.t_s)
+
+
+def calm_plant(level_speed: dict[str, float]) -> Plant:
+    """A light load (a request every 3 s or so) that leaves calm moments for trials; each
+    level's steps take level_speed x fp32's."""
+    return Plant(
+        compute_share=0.1,
+        decode_rate_tok_s=40.0,
+        prompt_rate_tok_s=40.0,
+        request_rate_s=0.3,
+        level_speed=level_speed,
+    )
+
+
 def run(ctl: Controller, plant: Plant, seconds: float, **tick_kwargs) -> list:
     decisions = []
     knobs = ctl.knobs
@@ -635,9 +654,7 @@ def test_the_prefill_chunk_shrinks_at_a_low_clock():
     run(ctl, plant, 40)
     for f in (1980, 1380, 795, 345):  # steps at clocks far apart teach the stretch
         plant.clock_mhz = f
-        for _ in range(40):
-            telemetry, stats = plant.tick(None)
-            ctl._ingest(telemetry, stats, plant.t_s)
+        learn_only(ctl, plant, 40)
     top = ctl._chunk_cap("fp32", 1980, 8, 200.0)
     low = ctl._chunk_cap("fp32", 345, 8, 200.0)
     assert top >= 256 and low < top
@@ -652,13 +669,7 @@ def test_a_trial_level_measured_much_slower_than_its_table_says_is_left_at_once(
     # bench quant's table (from another machine, say) has int8 twice as fast as fp32;
     # here its steps take four times as long.
     ctl = trial_controller(TABLE_INT8_TWICE_AS_FAST)
-    plant = Plant(
-        compute_share=0.1,
-        decode_rate_tok_s=40.0,
-        prompt_rate_tok_s=40.0,
-        request_rate_s=0.3,
-        level_speed={"fp32": 1.0, "int8": 4.0},
-    )
+    plant = calm_plant({"fp32": 1.0, "int8": 4.0})
     decisions = run(ctl, plant, 240)
     tried = [i for i, d in enumerate(decisions) if d.reason_code is Reason.QUANT_EXPLORE]
     assert len(tried) == 1 and decisions[tried[0]].knobs.quant_level == "int8"
@@ -699,9 +710,7 @@ def test_measured_steps_overrule_a_step_model_that_would_cut_the_batch_cap():
 
     ctl = make_controller()
     plant = Plant(compute_share=0.1, decode_rate_tok_s=300.0, prompt_rate_tok_s=100.0)
-    for _ in range(120):
-        telemetry, stats = plant.tick(None)
-        ctl._ingest(telemetry, stats, plant.t_s)
+    learn_only(ctl, plant, 120)
     ran = max(st.decode_tokens for st in ctl._recent_steps if st.duration_s <= 0.2)
     assert ran >= 20  # batches this large ran within the 200 ms TPOT SLO
     # A fit gone wrong (as chunked prefill steps can make it): decode tokens look three
@@ -725,13 +734,7 @@ def test_after_one_level_is_measured_slow_the_table_is_not_trusted_for_slower_on
     # and leaves; int8, ranked below bf16 by the same table, is then not tried at all:
     # the table's error is the machine's, and each such trial costs latency.
     ctl = trial_controller(TABLE_BF16_THEN_INT8)
-    plant = Plant(
-        compute_share=0.1,
-        decode_rate_tok_s=40.0,
-        prompt_rate_tok_s=40.0,
-        request_rate_s=0.3,
-        level_speed={"fp32": 1.0, "bf16": 4.0, "int8": 4.0},
-    )
+    plant = calm_plant({"fp32": 1.0, "bf16": 4.0, "int8": 4.0})
     decisions = run(ctl, plant, 300)
     trials = [d.knobs.quant_level for d in decisions if d.reason_code is Reason.QUANT_EXPLORE]
     assert trials == ["bf16"]
@@ -761,9 +764,7 @@ def test_the_prefill_chunk_is_not_cut_below_what_the_ttft_slo_needs():
 
     ctl = make_controller()
     plant = Plant(compute_share=0.5, decode_rate_tok_s=5.0, prompt_rate_tok_s=100.0)
-    for _ in range(120):
-        telemetry, stats = plant.tick(None)
-        ctl._ingest(telemetry, stats, plant.t_s)
+    learn_only(ctl, plant, 120)
     _cpu_like_step_model(ctl)
     # 250-token prompts, one every 5 s, a handful decoding.
     load = dataclasses.replace(
@@ -793,13 +794,7 @@ def test_a_calm_trial_probes_with_a_small_chunk_and_restores_it(speed):
     # slower than its table says shows it in short steps. Either way the chunk comes back
     # (at the verdict for the slow level, once its first steps are in for the good one).
     ctl = trial_controller(TABLE_INT8_TWICE_AS_FAST)
-    plant = Plant(
-        compute_share=0.1,
-        decode_rate_tok_s=40.0,
-        prompt_rate_tok_s=40.0,
-        request_rate_s=0.3,
-        level_speed={"fp32": 1.0, "int8": speed},
-    )
+    plant = calm_plant({"fp32": 1.0, "int8": speed})
     decisions = run(ctl, plant, 240)
     i = next(i for i, d in enumerate(decisions) if d.reason_code is Reason.QUANT_EXPLORE)
     before = decisions[i - 1].knobs.max_num_batched_tokens
