@@ -905,6 +905,10 @@ def _make_system(name: str, engine, device, clock, policy: Policy, cal, levels, 
     if name.startswith("fixed:"):
         # fixed:<level>:<MHz>[:<decode-only MHz>:<decode interval ms>]
         _, level, mhz, *study = name.split(":")
+        if len(study) not in (0, 2):
+            raise ValueError(
+                f"system {name!r}: fixed:<level>:<MHz>[:<decode-only MHz>:<interval ms>]"
+            )
         decode_mhz, interval_ms = (int(study[0]), float(study[1])) if study else (None, 0.0)
         return FixedSetting(engine, device, clock, budget, level, int(mhz), decode_mhz, interval_ms)
     raise ValueError(f"unknown system {name!r}")

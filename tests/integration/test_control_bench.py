@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import control
 from daemon.cli import main as cli_main
 
@@ -176,3 +178,11 @@ def test_bench_control_ceiling_reports_each_family(tmp_path, capsys):
     # The top clock on bf16 meets the SLOs here, so the one-clock family has a setting,
     # and bf16 at a locked clock uses less energy than fp32 at max clock with no lock.
     assert line["one_clock_saving_pct"] is not None and line["one_clock_saving_pct"] > 0
+
+
+def test_a_fixed_system_name_with_one_study_field_is_refused_by_name():
+    from controller.policy import Policy
+
+    policy = Policy(power_budget_w=300.0, ttft_slo_ms=2000.0, tpot_slo_ms=400.0)
+    with pytest.raises(ValueError, match="decode-only MHz"):
+        control._make_system("fixed:bf16:645:345", None, None, None, policy, None, (), inline=True)
