@@ -296,12 +296,11 @@ class SimulatedEngine:
         self.finished: list[SimRequest] = []
         self.first_tokens: list[SimRequest] = []
         self._step_ids = 0
-        # Two mechanisms the real engine does not have, for bench/control_ceiling.py's
+        # A mechanism the real engine does not have, for bench/control_ceiling.py's
         # hindsight study only (off here): per-phase clocks (steps with prefill at one
-        # locked clock, decode-only steps at another) and decode pacing (a decode-only
-        # step starts no sooner than this after the previous one while nothing waits).
+        # locked clock, decode-only steps at another). Decode pacing is the engines' own
+        # knob (EngineLimits.decode_interval_ms), as in daemon.engine.Engine.
         self.phase_clocks_mhz: tuple[int, int] | None = None  # (prefill, decode-only)
-        self.decode_interval_s = 0.0
         self._last_step_s = -math.inf
         self._last_decode_only = False
 
@@ -310,12 +309,13 @@ class SimulatedEngine:
     def limits(self):
         return self._limits
 
-    def set_limits(self, max_num_seqs=None, max_num_batched_tokens=None):
+    def set_limits(self, max_num_seqs=None, max_num_batched_tokens=None, decode_interval_ms=None):
         from daemon.engine.scheduler import EngineLimits
 
         self._limits = EngineLimits(
             max_num_seqs or self._limits.max_num_seqs,
             max_num_batched_tokens or self._limits.max_num_batched_tokens,
+            self._limits.decode_interval_ms if decode_interval_ms is None else decode_interval_ms,
         )
         return self._limits
 
@@ -364,9 +364,10 @@ class SimulatedEngine:
 
     def resume_at_s(self) -> float | None:
         """When a paced engine may step again (None: not pacing now)."""
-        if self.decode_interval_s <= 0 or not self._last_decode_only or self.scheduler.waiting:
+        interval_s = self._limits.decode_interval_ms / 1000.0
+        if interval_s <= 0 or not self._last_decode_only or self.scheduler.waiting:
             return None
-        at = self._last_step_s + self.decode_interval_s
+        at = self._last_step_s + interval_s
         return at if at > self._clock() else None
 
     def step(self):
@@ -671,7 +672,7 @@ class FixedSetting(System):
         device.lock_sm_clocks_mhz(mhz, mhz)
         if decode_mhz is not None and decode_mhz != mhz:
             engine.phase_clocks_mhz = (mhz, decode_mhz)
-        engine.decode_interval_s = decode_interval_ms / 1000.0
+        engine.set_limits(decode_interval_ms=decode_interval_ms)
         self.set_budget_w(budget_w)
 
     def set_budget_w(self, budget_w: float) -> None:
@@ -731,6 +732,7 @@ class Controlled(System):
         *,
         inline: bool,
         name: str = "controller",
+        decode_interval_max_ms: float = 1000.0,
     ) -> None:
         from controller.controller import Controller
         from controller.policy import Knobs, QuantOption
@@ -761,6 +763,7 @@ class Controlled(System):
                 max_num_batched_tokens_min=cal.block_size_tokens,
                 quant_options=options,
                 full_precision_level=cal.full_precision,
+                decode_interval_max_ms=decode_interval_max_ms,
             ),
             Knobs(limits.max_num_seqs, limits.max_num_batched_tokens, engine.quant_level),
         )
@@ -800,6 +803,7 @@ class Controlled(System):
             "sm_clock_mhz": d.knobs.sm_clock_mhz,
             "max_num_seqs": d.knobs.max_num_seqs,
             "max_num_batched_tokens": d.knobs.max_num_batched_tokens,
+            "decode_interval_ms": d.knobs.decode_interval_ms,
             "quant_level": self.engine.quant_level,
             "state": d.state.value,
             "reason_code": d.reason_code.value,
@@ -901,6 +905,18 @@ def _make_system(name: str, engine, device, clock, policy: Policy, cal, levels, 
     if name == "controller_fixed_quant":
         return Controlled(
             engine, device, clock, policy, cal, (engine.quant_level,), inline=inline, name=name
+        )
+    if name == "controller_unpaced":
+        return Controlled(
+            engine,
+            device,
+            clock,
+            policy,
+            cal,
+            levels,
+            inline=inline,
+            name=name,
+            decode_interval_max_ms=0.0,
         )
     if name.startswith("fixed:"):
         # fixed:<level>:<MHz>[:<decode-only MHz>:<decode interval ms>]
@@ -1204,6 +1220,7 @@ def plot_scenario(results: list[RunResult], policy: Policy, path: Path, title: s
     colors = {
         "controller": "tab:green",
         "controller_fixed_quant": "tab:olive",
+        "controller_unpaced": "tab:cyan",
         "max_clock": "tab:red",
         "static_cap": "tab:orange",
         "pid_power": "tab:purple",
@@ -1500,6 +1517,7 @@ def run_real(
 SYSTEMS = (
     "controller",
     "controller_fixed_quant",
+    "controller_unpaced",
     "max_clock",
     "static_cap",
     "pid_power",
@@ -1601,7 +1619,7 @@ def main(argv: list[str] | None = None) -> int:
         args.scenarios or ("steady60,budget_step" if args.engine == "real" else ",".join(scenarios))
     ).split(",")
     # The real engine runs in wall time: no hindsight search, no second controller.
-    real_skip = ("controller_fixed_quant", "best_static")
+    real_skip = ("controller_fixed_quant", "controller_unpaced", "best_static")
     default_systems = (
         SYSTEMS if args.engine == "model" else tuple(x for x in SYSTEMS if x not in real_skip)
     )
@@ -1685,11 +1703,13 @@ def _headline(
             line["best_static_saving_vs_max_clock_pct"] = round(
                 100.0 * (1 - oracle["j_per_token"] / base["j_per_token"]), 2
             )
-        fixed = s60.get("controller_fixed_quant")
-        if fixed:
-            line["energy_saving_vs_max_clock_fixed_quant_pct"] = round(
-                100.0 * (1 - fixed["j_per_token"] / base["j_per_token"]), 2
-            )
+        for system, key in (
+            ("controller_fixed_quant", "energy_saving_vs_max_clock_fixed_quant_pct"),
+            ("controller_unpaced", "energy_saving_vs_max_clock_unpaced_pct"),
+        ):
+            other = s60.get(system)
+            if other and other.get("j_per_token"):
+                line[key] = round(100.0 * (1 - other["j_per_token"] / base["j_per_token"]), 2)
     step = table.get("budget_step", {}).get("controller")
     if step:
         line["settle_s"] = step.get("settle_s")

@@ -88,6 +88,8 @@ class Knobs:
     quant_level: the engine's weight quantization level (None: leave as it is).
     sm_clock_mhz: upper bound of the SM clock lock (None: unlocked).
     power_limit_w: the board power limit (None: leave as it is).
+    decode_interval_ms: decode pacing: a decode-only step starts no sooner than this after
+    the step before while no request waits (0: off).
     """
 
     max_num_seqs: int
@@ -95,6 +97,7 @@ class Knobs:
     quant_level: str | None = None
     sm_clock_mhz: int | None = None
     power_limit_w: float | None = None
+    decode_interval_ms: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -111,6 +114,9 @@ class Knobs:
             )
         if self.power_limit_w is not None:
             _positive("power_limit_w", self.power_limit_w)
+        d = self.decode_interval_ms
+        if isinstance(d, bool) or not isinstance(d, int | float) or not 0 <= d < math.inf:
+            raise ValueError(f"decode_interval_ms must be a number >= 0, got {d!r}")
 
     def changed_fields(self, other: Knobs | None) -> tuple[str, ...]:
         """Names of the knobs that differ from `other` (all of them when other is None)."""
@@ -120,6 +126,7 @@ class Knobs:
             "quant_level",
             "sm_clock_mhz",
             "power_limit_w",
+            "decode_interval_ms",
         )
         if other is None:
             return names

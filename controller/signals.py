@@ -123,6 +123,8 @@ class EngineConstraints:
     max_num_batched_tokens_min: at least one KV block of tokens.
     quant_options: the levels the engine can run (engine.quantization_levels, usable
     here), with their measured quality; full_precision_level: the level they compare to.
+    decode_interval_max_ms: the longest decode pacing interval the engine takes (0: the
+    engine does not pace decode steps).
     """
 
     max_num_seqs_max: int
@@ -130,8 +132,11 @@ class EngineConstraints:
     max_num_batched_tokens_min: int = 16
     quant_options: tuple[QuantOption, ...] = field(default_factory=tuple)
     full_precision_level: str = "fp32"
+    decode_interval_max_ms: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.decode_interval_max_ms < float("inf"):
+            raise ValueError("EngineConstraints.decode_interval_max_ms must be >= 0")
         if self.max_num_seqs_max < 1:
             raise ValueError("EngineConstraints.max_num_seqs_max must be >= 1")
         if not 1 <= self.max_num_batched_tokens_min <= self.max_num_batched_tokens_max:

@@ -154,6 +154,14 @@ class ControllerConfig(_Section):
         description="Thermal margin (degC to the slowdown threshold) below which the budget "
         "is derated, down to 0.6 x at no margin.",
     )
+    decode_interval_max_ms: float = Field(
+        1000.0,
+        ge=0,
+        le=60_000,
+        description="Longest decode pacing interval the controller may set (a decode-only "
+        "step no sooner than this after the step before, while no request waits); "
+        "0: no pacing.",
+    )
 
 
 class MqttConfig(_Section):

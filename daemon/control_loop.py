@@ -47,10 +47,13 @@ class SteerableEngine(Protocol):
     """What the loop needs from an engine (daemon.engine.Engine, or a simulated one)."""
 
     @property
-    def limits(self) -> Any: ...  # .max_num_seqs, .max_num_batched_tokens
+    def limits(self) -> Any: ...  # .max_num_seqs, .max_num_batched_tokens, .decode_interval_ms
 
     def set_limits(
-        self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None
+        self,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        decode_interval_ms: float | None = None,
     ) -> Any: ...
 
     @property
@@ -250,11 +253,13 @@ class ControlLoop:
             ),
             quant_options=quant_options(levels, quality, weights),
             full_precision_level=status["full_precision"],
+            decode_interval_max_ms=cfg.decode_interval_max_ms,
         )
         initial = Knobs(
             max_num_seqs=limits.max_num_seqs,
             max_num_batched_tokens=limits.max_num_batched_tokens,
             quant_level=engine.quant_level,
+            decode_interval_ms=min(limits.decode_interval_ms, cfg.decode_interval_max_ms),
         )
         controller = Controller(
             policy_from_config(cfg),
@@ -351,12 +356,15 @@ class ControlLoop:
     def _apply(self, knobs: Knobs) -> None:
         prev = self._applied
         engine = self._engine
-        if prev is None or (knobs.max_num_seqs, knobs.max_num_batched_tokens) != (
-            prev.max_num_seqs,
-            prev.max_num_batched_tokens,
-        ):
+        if prev is None or (
+            knobs.max_num_seqs,
+            knobs.max_num_batched_tokens,
+            knobs.decode_interval_ms,
+        ) != (prev.max_num_seqs, prev.max_num_batched_tokens, prev.decode_interval_ms):
             engine.set_limits(
-                max_num_seqs=knobs.max_num_seqs, max_num_batched_tokens=knobs.max_num_batched_tokens
+                max_num_seqs=knobs.max_num_seqs,
+                max_num_batched_tokens=knobs.max_num_batched_tokens,
+                decode_interval_ms=knobs.decode_interval_ms,
             )
         level = knobs.quant_level
         if level is not None and level != self._quant_requested:

@@ -281,6 +281,7 @@ class LiveFeed:
             knobs = KnobFigures(
                 max_num_seqs=engine.limits.max_num_seqs,
                 max_num_batched_tokens=engine.limits.max_num_batched_tokens,
+                decode_interval_ms=engine.limits.decode_interval_ms,
                 quant_level=engine.quant_level,
                 sm_clock_lock_mhz=reading.sm_clock_lock_mhz if reading is not None else None,
                 power_limit_w=reading.power_limit_w if reading is not None else None,

@@ -91,6 +91,7 @@ async def status(request: Request) -> StatusResponse:
             "limits": {
                 "max_num_seqs": engine.limits.max_num_seqs,
                 "max_num_batched_tokens": engine.limits.max_num_batched_tokens,
+                "decode_interval_ms": engine.limits.decode_interval_ms,
             },
             "kv_cache": {
                 "used_blocks": engine.kv.num_used_blocks,
@@ -168,6 +169,7 @@ def _knobs(request: Request) -> Knobs:
         max_num_batched_tokens=limits.max_num_batched_tokens,
         quant_level=engine.quant_status()["requested"],  # lands at the next engine step
         sm_clock_lock_mhz=lock,
+        decode_interval_ms=limits.decode_interval_ms,
     )
 
 
@@ -210,7 +212,9 @@ async def put_knobs(body: KnobsUpdate, request: Request) -> Knobs:
                 code="knob_not_applied",
             )
     engine.set_limits(
-        max_num_seqs=body.max_num_seqs, max_num_batched_tokens=body.max_num_batched_tokens
+        max_num_seqs=body.max_num_seqs,
+        max_num_batched_tokens=body.max_num_batched_tokens,
+        decode_interval_ms=body.decode_interval_ms,
     )
     loop = state.control_loop
     if loop is not None:
@@ -222,6 +226,7 @@ async def put_knobs(body: KnobsUpdate, request: Request) -> Knobs:
                 max_num_batched_tokens=limits.max_num_batched_tokens,
                 quant_level=body.quant_level or engine.quant_status()["requested"],
                 sm_clock_mhz=body.clock_mhz,
+                decode_interval_ms=limits.decode_interval_ms,
             )
         )
     return _knobs(request)

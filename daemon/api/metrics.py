@@ -92,6 +92,11 @@ class _EngineCollector(Collector):
             "Token budget of one engine step",
             value=limits.max_num_batched_tokens,
         )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_decode_interval_seconds",
+            "Decode pacing: least time between decode-only steps while none waits (0: off)",
+            value=limits.decode_interval_ms / 1000.0,
+        )
 
 
 class _DeviceCollector(Collector):

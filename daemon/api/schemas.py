@@ -398,6 +398,13 @@ class KnobsUpdate(_Body):
     clock_mhz: int | None = Field(
         None, ge=1, le=10_000, description="SM clock lock, MHz (device.mode = control)."
     )
+    decode_interval_ms: float | None = Field(
+        None,
+        ge=0,
+        le=60_000,
+        description="Decode pacing: a decode-only step no sooner than this after the step "
+        "before while no request waits; 0: off.",
+    )
 
 
 class Knobs(BaseModel):
@@ -407,6 +414,7 @@ class Knobs(BaseModel):
     max_num_batched_tokens: int
     quant_level: str
     sm_clock_lock_mhz: list[int] | None = None
+    decode_interval_ms: float = 0.0
 
 
 class StatusResponse(BaseModel):

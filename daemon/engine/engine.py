@@ -3,8 +3,8 @@
 Requests come in from any thread through add_request/abort (validated there, queued
 for the loop); the loop thread alone owns the scheduler, the KV cache and the model.
 Each request's events go out through the sink callable it brought (the API wraps an
-asyncio queue in one). Batch limits change through set_limits() and the weight
-quantization level through set_quant_level(), each read once at the top of each step;
+asyncio queue in one). Batch limits and decode pacing change through set_limits() and the
+weight quantization level through set_quant_level(), each read once at the top of each step;
 per-step statistics go to registered step hooks. Nothing here awaits, and nothing here
 speaks HTTP.
 """
@@ -166,6 +166,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._step_ids = itertools.count()
+        self._last_step_start_s = -float("inf")
+        self._last_decode_only = False
         self.counters = EngineCounters()
         self.last_step: StepStats | None = None
         log.info(
@@ -195,14 +197,21 @@ class Engine:
         return self._limits
 
     def set_limits(
-        self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None
+        self,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        decode_interval_ms: float | None = None,
     ) -> EngineLimits:
-        """The controller's batch actuator; takes effect at the next step. Drops nothing."""
+        """The controller's batch and pacing actuator; takes effect at the next step.
+        Drops nothing. decode_interval_ms: a decode-only step starts no sooner than this
+        after the step before while no request waits (an arrival ends the wait); 0: off."""
+        old = self._limits
         new = EngineLimits(
-            max_num_seqs if max_num_seqs is not None else self._limits.max_num_seqs,
+            max_num_seqs if max_num_seqs is not None else old.max_num_seqs,
             max_num_batched_tokens
             if max_num_batched_tokens is not None
-            else self._limits.max_num_batched_tokens,
+            else old.max_num_batched_tokens,
+            decode_interval_ms if decode_interval_ms is not None else old.decode_interval_ms,
         )
         self._limits = new  # one reference swap: atomic for the loop thread
         return new
@@ -353,11 +362,19 @@ class Engine:
     def step(self, block_s: float = 0.0) -> StepStats | None:
         """Run one engine iteration; returns None when there was nothing to compute."""
         self._drain_inbox(0.0 if self._requests else block_s)
+        pause_s = self.pacing_wait_s()
+        if pause_s > 0:
+            # Decode pacing: idle until the interval is up; an arrival ends the wait at
+            # once (the next call finds it waiting). Short waits keep stop() responsive.
+            self._drain_inbox(min(pause_s, 0.05))
+            return None
         self._apply_quant_level()
         plan = self.scheduler.schedule(self._limits)
         if plan.is_empty:
             return None
         t0 = time.monotonic()
+        self._last_step_start_s = t0
+        self._last_decode_only = all(c.num_tokens == 1 for c in plan.chunks)
         try:
             inputs = self.model.prepare(
                 plan.chunks, {c.seq.seq_id: self.kv.table(c.seq.seq_id) for c in plan.chunks}
@@ -385,6 +402,14 @@ class Engine:
         for hook in self._hooks:
             hook(stats)
         return stats
+
+    def pacing_wait_s(self) -> float:
+        """How long decode pacing holds the next step back now (0: not pacing): only after
+        a decode-only step, and only while no request waits."""
+        interval_ms = self._limits.decode_interval_ms
+        if interval_ms <= 0 or not self._last_decode_only or self.scheduler.waiting:
+            return 0.0
+        return max(0.0, self._last_step_start_s + interval_ms / 1000.0 - time.monotonic())
 
     def _step_stats(self, plan: SchedulePlan, t0: float, dt: float, finished: int) -> StepStats:
         decode = sum(1 for c in plan.chunks if c.num_tokens == 1)

@@ -17,16 +17,21 @@ from daemon.engine.kv_cache import KVCacheManager
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """The batch-size knobs, read once at the top of each schedule()."""
+    """The step knobs, read once at the top of each step: the batch caps (schedule()) and
+    decode pacing (the engine's loop: a decode-only step no sooner than decode_interval_ms
+    after the step before while no request waits; 0: off)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
+    decode_interval_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if not 0 <= self.decode_interval_ms < float("inf"):
+            raise ValueError("decode_interval_ms must be a finite number >= 0")
 
 
 class SeqStatus(enum.Enum):

@@ -152,6 +152,7 @@ class KnobFigures(_Payload):
     quant_level: str | None = None
     sm_clock_lock_mhz: tuple[int, int] | None = None
     power_limit_w: float | None = None
+    decode_interval_ms: float | None = None
 
 
 class TelemetryPayload(_Versioned):

@@ -290,8 +290,21 @@ def test_control_requires_token(client, server) -> None:
             400,
             param="max_num_seqs",
         )
+        r = client.put("/v1/control/knobs", json={"decode_interval_ms": 40}, headers=auth)
+        assert r.status_code == 200 and r.json()["decode_interval_ms"] == 40.0
+        assert server.engine.limits.decode_interval_ms == 40.0
+        assert client.get("/v1/status").json()["engine"]["limits"]["decode_interval_ms"] == 40.0
+        done = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+        assert done.status_code == 200  # paced decode steps still finish the request
+        assert_error(
+            client.put("/v1/control/knobs", json={"decode_interval_ms": -5}, headers=auth),
+            400,
+            param="decode_interval_ms",
+        )
+        assert server.engine.limits.decode_interval_ms == 40.0
     finally:
-        restore = {k: before[k] for k in ("max_num_seqs", "max_num_batched_tokens", "quant_level")}
+        keep = ("max_num_seqs", "max_num_batched_tokens", "quant_level", "decode_interval_ms")
+        restore = {k: before[k] for k in keep}
         assert client.put("/v1/control/knobs", json=restore, headers=auth).status_code == 200
 
 

@@ -120,7 +120,7 @@ def test_engine_model_study_mechanisms_per_phase_clocks_and_decode_pacing(tmp_pa
 
         device.lock_sm_clocks_mhz = spy
         engine.phase_clocks_mhz = (1245, 345)
-        engine.decode_interval_s = 0.2
+        engine.set_limits(decode_interval_ms=200.0)
         for i in range(3):
             engine.add_request(control.SimRequest(f"r{i}", 0.0, 40, 12))
         steps = []

@@ -260,3 +260,46 @@ def test_seeded_sampling_is_reproducible(tiny_llama):
         [[5, 6, 7]], SamplingParams(max_tokens=20, temperature=1.0, seed=43, ignore_eos=True)
     )[0].token_ids
     assert a == b and a != c
+
+
+def test_decode_pacing_holds_decode_only_steps_until_an_arrival(tiny_llama):
+    engine = Engine(tiny_llama, EngineOptions(kv_cache_bytes=64 * block_bytes(tiny_llama)))
+    engine.set_limits(decode_interval_ms=60_000.0)  # far longer than this test runs
+    outs: list[RequestOutput] = []
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    engine.add_request([5] * 20, params, outs.append)
+    first = engine.step()
+    assert first is not None and first.prefill_tokens == 20
+    # After a step with prefill the next one runs at once; after a decode-only step the
+    # engine waits for the interval and computes nothing meanwhile.
+    second = engine.step()
+    assert second is not None and second.prefill_tokens == 0 and second.decode_tokens == 1
+    assert engine.step() is None and engine.step() is None
+    assert engine.pacing_wait_s() > 50.0 and engine.counters.steps == 2
+    # An arrival ends the wait: its prefill step runs at once.
+    engine.add_request([7] * 9, params, outs.append)
+    third = engine.step()
+    assert third is not None and third.prefill_tokens == 9 and third.decode_tokens == 1
+    # Turning pacing off takes effect at the next step.
+    engine.step()
+    assert engine.pacing_wait_s() > 0
+    engine.set_limits(decode_interval_ms=0.0)
+    assert engine.pacing_wait_s() == 0.0 and engine.step() is not None
+
+
+def test_decode_pacing_changes_no_output(loaded_models, references):
+    lm = loaded_models["llama"]
+    prompts, expected = references["llama"]
+    engine = Engine(lm, EngineOptions(kv_cache_bytes=256 * block_bytes(lm)))
+    engine.set_limits(decode_interval_ms=2.0)
+    outs = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert engine.limits.decode_interval_ms == 2.0
+
+
+def test_decode_interval_must_be_a_finite_number_at_least_zero(tiny_llama):
+    engine = Engine(tiny_llama, EngineOptions(kv_cache_bytes=16 * block_bytes(tiny_llama)))
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="decode_interval_ms"):
+            engine.set_limits(decode_interval_ms=bad)
+    assert engine.limits.decode_interval_ms == 0.0

@@ -57,10 +57,12 @@ class FakeEngine:
     )
     calls: list = field(default_factory=list)
 
-    def set_limits(self, max_num_seqs=None, max_num_batched_tokens=None):
-        self.calls.append(("set_limits", max_num_seqs, max_num_batched_tokens))
+    def set_limits(self, max_num_seqs=None, max_num_batched_tokens=None, decode_interval_ms=None):
+        self.calls.append(("set_limits", max_num_seqs, max_num_batched_tokens, decode_interval_ms))
         self.limits = SimpleNamespace(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            decode_interval_ms=decode_interval_ms or 0.0,
         )
         return self.limits
 
@@ -183,7 +185,7 @@ def test_auto_mode_applies_clock_power_limit_and_caps_once_each():
     assert d.apply and d.reason_code is Reason.OVER_BUDGET
     assert ("lock_sm_clocks_mhz", d.knobs.sm_clock_mhz, d.knobs.sm_clock_mhz) in device.calls
     assert ("set_power_limit_w", 392.0) in device.calls  # 0.98 x the budget
-    assert engine.calls[0] == ("set_limits", 64, 512)
+    assert engine.calls[0] == ("set_limits", 64, 512, 0.0)
     n = len(device.calls)
     device.power_w = 250.0
     drive(loop, engine, clock, 1)

@@ -29,7 +29,9 @@ class _Engine:
     num_waiting: int = 1
     kv: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(usage=0.25))
     limits: SimpleNamespace = field(
-        default_factory=lambda: SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=256)
+        default_factory=lambda: SimpleNamespace(
+            max_num_seqs=8, max_num_batched_tokens=256, decode_interval_ms=0.0
+        )
     )
 
 
