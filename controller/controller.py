@@ -105,7 +105,13 @@ class ControllerParams:
     before would have taken (its model, at the clocks they ran) is left at once, and not tried
     again for quant_slow_retry_s; a trial still learning after quant_trial_max_s ends too (bench
     quant's speed table may come from another machine). A calm trial's first steps run with
-    1/quant_trial_probe_fraction of the chunk. A prefill chunk's step at the clock in
+    1/quant_trial_probe_fraction of the chunk; a never-run level the table ranks slower than
+    the level in force is not tried calmly once batches of quant_table_batch_min run (the
+    table's speed is a batch-16 figure). Decode pacing: the interval is 0 or one of
+    pace_fractions x the TPOT SLO (within the engine's longest); a shorter one is weighed
+    with the clocks every observation, a longer one at most every pace_period_s, once the
+    level's model has descend_evidence_steps steps, and never through a trial. A prefill
+    chunk's step at the clock in
     force stays within chunk_step_slo_factor x the TPOT SLO and chunk_step_ttft_factor x the
     TTFT SLO. Margins: predictions must meet slo_margin x SLO (x descend_margin for a lower
     clock) and power_margin x budget; the board power limit is set to power_limit_margin x
@@ -170,6 +176,9 @@ class ControllerParams:
     quant_trial_max_s: float = 30.0
     quant_trial_probe_fraction: int = 8
     quant_slow_retry_s: float = 600.0
+    quant_table_batch_min: int = 8
+    pace_period_s: float = 5.0
+    pace_fractions: tuple[float, ...] = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
 
     def __post_init__(self) -> None:
         for name in (
@@ -205,6 +214,8 @@ class ControllerParams:
             )
         if self.power_hold_max_s < self.power_hold_s:
             raise ValueError("ControllerParams.power_hold_max_s must be >= power_hold_s")
+        if not self.pace_period_s > 0 or not all(0 < f <= 1 for f in self.pace_fractions):
+            raise ValueError("ControllerParams: pace_period_s > 0, pace_fractions each in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -247,6 +258,7 @@ class Decision:
                 "quant_level": k.quant_level,
                 "sm_clock_mhz": k.sm_clock_mhz,
                 "power_limit_w": k.power_limit_w,
+                "decode_interval_ms": k.decode_interval_ms,
             },
             "prediction": None,
         }
@@ -371,6 +383,8 @@ class Controller:
         self._ttft_since_change_ms: float | None = None
         self._last_shape_change_s = -math.inf
         self._last_batch_s = -math.inf
+        self._last_pace_s = -math.inf
+        self._pace_off_now = False  # the latency guard's cause calls for no pacing
         self._last_chunk_change_s = -math.inf
         self._last_quant_switch_s: float | None = None
         self._explored: set[str] = set()
@@ -401,6 +415,7 @@ class Controller:
         self._recent_steps: deque[StepRecord] = deque(maxlen=512)
         self._pred_ttft_ms = Ewma(5.0)  # the model's mean predictions in force, smoothed
         self._pred_tpot_ms = Ewma(5.0)
+        self._pred_step_ms = Ewma(5.0)  # the unpaced mean step, which sets TPOT's spread
         self._pred_at_s: float | None = None
         self._last_telemetry: Telemetry | None = None
         self._derate = 1.0
@@ -515,6 +530,7 @@ class Controller:
             stats.prompt_tokens_total,
             stats.generation_tokens_total,
             stats.steps,
+            paced=self._knobs.decode_interval_ms > 0,
         )
         # A request's latency spans seconds of operation, so it is compared with the model's
         # recent mean prediction (smoothed over about a request's life), and only while the
@@ -526,7 +542,12 @@ class Controller:
             for x in stats.ttft_s:
                 self._ttft_ratio.add(now_s, x * 1000.0, self._pred_ttft_ms.value)
             for x in stats.tpot_s:
-                self._tpot_ratio.add(now_s, x * 1000.0, self._pred_tpot_ms.value or 0.0)
+                # As an excess over the mean in units of the unpaced step (the same ratio
+                # when nothing is paced): a paced request's tokens come an interval apart,
+                # and only the steps in between (prefill) spread them.
+                step_ms = self._pred_step_ms.value or self._pred_tpot_ms.value or 0.0
+                excess_ms = x * 1000.0 - (self._pred_tpot_ms.value or 0.0)
+                self._tpot_ratio.add(now_s, step_ms + excess_ms, step_ms)
         self._waiting_hist.append(stats.num_waiting)
         self._waiting_now = stats.num_waiting
         self._running_now = stats.num_running
@@ -782,6 +803,11 @@ class Controller:
         workload = self._workload.current()
         latency = self._latency_guard(telemetry, stats, base, now_s, ceiling, budget_w, workload)
         if latency is not None:
+            if latency.knobs.decode_interval_ms > 0 and self._pace_off_now:
+                # Decode pacing trades TPOT headroom for energy: none to trade now. (A
+                # queue alone leaves it: the engine does not pace while requests wait.)
+                latency.knobs = latency.knobs.with_changes(decode_interval_ms=0.0)
+                latency.reason += "; decode pacing off"
             if self._exploring is not None and not self._exploring_stuck:
                 # A calm trial that hurts latency ends at once; a trial begun because the
                 # previous level could not cope is not its fault, and goes on.
@@ -831,7 +857,7 @@ class Controller:
             )
             if trained and power_model.samples >= p.learning_min_power_samples:
                 top = min(top, base.sm_clock_mhz or top)
-            knobs = base.with_changes(sm_clock_mhz=top)
+            knobs = base.with_changes(sm_clock_mhz=top, decode_interval_ms=0.0)
             return _Choice(
                 ControllerState.LEARNING,
                 knobs,
@@ -986,6 +1012,7 @@ class Controller:
         queue_late = drain_s is not None and drain_s > late_s
         if not (growing or long_wait or queue_late or ttft_miss or tpot_miss):
             return None
+        self._pace_off_now = bool(tpot_miss) or long_wait
         if now_s - self._last_guard_s < p.guard_cooldown_s:
             # Still within the cooldown of the last step up: keep its floor, no new step.
             return None
@@ -1116,6 +1143,7 @@ class Controller:
             sm_clock_mhz=clock,
             max_num_seqs=min(seqs, current.max_num_seqs),
             power_limit_w=self._power_limit_for(budget_w),
+            decode_interval_ms=0.0,
         )
 
     # ---- tracking ----------------------------------------
@@ -1213,7 +1241,11 @@ class Controller:
         tokens: int,
         workload: Workload,
         temp_c: float | None,
+        interval_ms: float | None = None,
     ) -> Prediction:
+        """interval_ms: the decode pacing interval (None: the one in force)."""
+        if interval_ms is None:
+            interval_ms = self._knobs.decode_interval_ms
         return predict(
             level=level,
             clock_mhz=clock,
@@ -1225,6 +1257,7 @@ class Controller:
             temp_c=temp_c,
             ttft_ratio=self._ttft_ratio.ratio(self._now_s, self._policy.slo_percentile),
             tpot_ratio=self._tpot_ratio.ratio(self._now_s, self._policy.slo_percentile),
+            decode_interval_s=interval_ms / 1000.0,
         )
 
     def _clock_range(self, level: str, now_s: float, ceiling: int | None) -> list[int]:
@@ -1283,20 +1316,42 @@ class Controller:
 
         # Fastest timescale: the clock.
         clocks = self._clock_range(level, now_s, ceiling)
-        preds = [
-            self._predict(
-                level, f, knobs.max_num_seqs, knobs.max_num_batched_tokens, workload, temp
-            )
-            for f in clocks
-        ]
+
+        interval_now = knobs.decode_interval_ms
+        # With the decode pacing interval in force or a shorter one (a longer one is the
+        # pacing step's, below): the two trade TPOT against each other, and a clock-only
+        # search went to the top clock to keep a long interval's TPOT.
+        intervals = [interval_now] + [i for i in self._pace_candidates() if i < interval_now]
+        interval_of: dict[int, float] = {}
+        preds = []
+        for interval in intervals:
+            for f in clocks:
+                pr = self._predict(
+                    level,
+                    f,
+                    knobs.max_num_seqs,
+                    knobs.max_num_batched_tokens,
+                    workload,
+                    temp,
+                    interval,
+                )
+                interval_of[id(pr)] = interval
+                preds.append(pr)
         now_pred = self._predict(
-            level, clock_now, knobs.max_num_seqs, knobs.max_num_batched_tokens, workload, temp
+            level,
+            clock_now,
+            knobs.max_num_seqs,
+            knobs.max_num_batched_tokens,
+            workload,
+            temp,
+            knobs.decode_interval_ms,
         )
         dt = now_s - self._pred_at_s if self._pred_at_s is not None else 0.0
         self._pred_at_s = now_s
         if math.isfinite(now_pred.mean_ttft_ms) and math.isfinite(now_pred.mean_tpot_ms):
             self._pred_ttft_ms.add(now_pred.mean_ttft_ms, dt)
             self._pred_tpot_ms.add(now_pred.mean_tpot_ms, dt)
+            self._pred_step_ms.add(1000.0 * now_pred.step_s, dt)
         # Hysteresis band: a lower clock must meet the SLOs with a tighter margin than the
         # one that keeps the current clock, so noise near the edge cannot flip between them.
         feasible = [
@@ -1307,20 +1362,33 @@ class Controller:
             )
         ]
         if feasible:
-            best = min(feasible, key=lambda pr: (self._score(pr), -pr.sm_clock_mhz))
+            best = min(
+                feasible,
+                key=lambda pr: (self._score(pr), -pr.sm_clock_mhz, -interval_of[id(pr)]),
+            )
             state = ControllerState.TRACKING
         else:
-            # Nothing meets everything: keep inside the power budget, then the most headroom.
+            # Nothing meets everything: no pacing (no TPOT headroom to trade), inside the
+            # power budget, then the most headroom.
+            preds = [pr for pr in preds if interval_of[id(pr)] == 0.0]
             in_budget = [pr for pr in preds if self._within_budget(pr, budget_w)]
             if not in_budget:
                 # The budget wins over model trust: look below the trusted clocks too.
                 lower = [
                     self._predict(
-                        level, f, knobs.max_num_seqs, knobs.max_num_batched_tokens, workload, temp
+                        level,
+                        f,
+                        knobs.max_num_seqs,
+                        knobs.max_num_batched_tokens,
+                        workload,
+                        temp,
+                        knobs.decode_interval_ms,
                     )
                     for f in self._clocks
                     if f < clocks[0] and (ceiling is None or f <= ceiling)
                 ]
+                for pr in lower:
+                    interval_of[id(pr)] = knobs.decode_interval_ms
                 in_budget = [pr for pr in lower if self._within_budget(pr, budget_w)]
                 in_budget = in_budget or (lower[:1] if lower else preds[:1])
             best = max(in_budget, key=lambda pr: pr.sm_clock_mhz)
@@ -1328,6 +1396,7 @@ class Controller:
             code = Reason.INFEASIBLE
             notes.append("no candidate predicted to meet every target: most headroom within budget")
         target = best.sm_clock_mhz
+        target_interval = interval_of.get(id(best), 0.0)
         now_ok = clock_now in clocks and self._feasible(now_pred, budget_w)
         gain = 0.0
         if (
@@ -1381,6 +1450,15 @@ class Controller:
         self._feasible_since_s = (
             (self._feasible_since_s or now_s) if feasible and (now_ok or move) else None
         )
+        # Pacing goes off at once when nothing meets the targets (no TPOT headroom to trade).
+        interval_move = target_interval != interval_now and (move or not feasible)
+        if interval_move:
+            notes.append(f"decode interval {interval_now:g} -> {target_interval:g} ms ({why})")
+            knobs = knobs.with_changes(decode_interval_ms=target_interval)
+            self._last_pace_s = now_s
+            if code is Reason.STEADY:
+                code = Reason.OPTIMIZE
+            chosen = best
         if target != clock_now and move:
             notes.append(f"clock {clock_now} -> {target} MHz ({why})")
             knobs = knobs.with_changes(sm_clock_mhz=target)
@@ -1402,10 +1480,93 @@ class Controller:
             if code is Reason.STEADY:
                 code = Reason.OPTIMIZE
             chosen = best
-        else:
+        elif not interval_move:
             chosen = now_pred
+        paced = (
+            None
+            if interval_move
+            else self._pace_step(level, knobs, workload, temp, now_s, budget_w)
+        )
+        if paced is not None:
+            interval, paced_pred, why = paced
+            notes.append(f"decode interval {knobs.decode_interval_ms:g} -> {interval:g} ms ({why})")
+            knobs = knobs.with_changes(decode_interval_ms=interval)
+            chosen = paced_pred
+            if code is Reason.STEADY:
+                code = Reason.OPTIMIZE
         reason = "; ".join(notes) if notes else "steady: current configuration within margins"
         return _Choice(state, knobs, code, f"{reason} [{chosen.describe()}]", chosen)
+
+    def _pace_candidates(self) -> list[float]:
+        """Decode intervals to consider (ms): off, and pace_fractions of the TPOT SLO within
+        the engine's longest."""
+        slo = self._policy.tpot_slo_ms
+        top_ms = self.engine.decode_interval_max_ms
+        fractions = self.params.pace_fractions
+        return [0.0, *(float(round(f * slo)) for f in fractions if f * slo <= top_ms)]
+
+    def _pace_step(
+        self,
+        level: str,
+        knobs: Knobs,
+        workload: Workload,
+        temp: float | None,
+        now_s: float,
+        budget_w: float,
+    ) -> tuple[float, Prediction, str] | None:
+        """A longer decode pacing interval, at most every pace_period_s, at the clock just
+        chosen: the candidate (a fraction of the TPOT SLO) with the least predicted J/token
+        that meets the targets with the descend margin, for the clock gain, with no queue
+        and no recent guard; one candidate at a time beyond the decode batches the level's
+        model is trusted at. (Shorter intervals are the clock search's: _track weighs them
+        with the clocks.) Off for the min-latency objective and engines that do not pace.
+        Returns (interval ms, its prediction, why), or None to keep the interval."""
+        p = self.params
+        current = knobs.decode_interval_ms
+        if (
+            self.engine.decode_interval_max_ms <= 0
+            or self._policy.objective == Objective.MIN_LATENCY
+        ):
+            return None
+        if now_s - self._last_pace_s < p.pace_period_s or self._exploring is not None:
+            return None
+        if self._step_model(level).samples < p.descend_evidence_steps:
+            return None  # a young model: its paced predictions rest on batches not seen
+        if self._waiting_now > 0 or now_s - self._last_guard_s < p.guard_hold_s:
+            return None
+        self._last_pace_s = now_s
+        clock = knobs.sm_clock_mhz or self.device.sm_clock_max_mhz
+
+        def at(interval: float) -> Prediction:
+            return self._predict(
+                level,
+                clock,
+                knobs.max_num_seqs,
+                knobs.max_num_batched_tokens,
+                workload,
+                temp,
+                interval,
+            )
+
+        now_pred = at(current)
+        if not self._feasible(now_pred, budget_w):
+            return None
+        longer = {i: at(i) for i in self._pace_candidates() if i > current}
+        ok = [i for i, pr in longer.items() if self._feasible(pr, budget_w, p.descend_margin)]
+        if not ok:
+            return None
+        best = min(ok, key=lambda i: (self._score(longer[i]), i))
+        cur_j, best_j = now_pred.j_per_token, longer[best].j_per_token
+        if not (math.isfinite(cur_j) and math.isfinite(best_j) and cur_j > 0):
+            return None
+        gain = 100.0 * (1.0 - best_j / cur_j)
+        if gain < p.clock_gain_min_pct:
+            return None
+        if not self._batch_trusted(longer[best]):
+            # Beyond the decode batches the model has seen: one candidate at a time, so
+            # the steps of each teach it before the next.
+            best = min(ok)
+        return best, longer[best], f"{gain:.1f}% less J/token"
 
     def _choose_caps(
         self,
@@ -1758,8 +1919,15 @@ class Controller:
             if lv != level and lv not in self._explored and lv not in self._step_models
         ]
         what = "never measured here"
-        if not unexplored and stuck:
-            unexplored = [
+
+        def faster(lv: str) -> bool:
+            return hint(lv)[0] < hint(level)[0] or hint(lv)[0] == 0.0
+
+        if stuck and not any(faster(lv) for lv in unexplored):
+            # An escape wants a level the table calls faster: one tried at small batches
+            # before this load comes ahead of a never-run level the table calls slower (a
+            # burst escaped from fp32 to int8 while bf16, tried at a calm moment, waited).
+            retry = [
                 lv
                 for lv in allowed
                 if lv != level
@@ -1767,9 +1935,11 @@ class Controller:
                 and self._running_now > self._trusted_batch(lv)
                 and now_s - self._retried_s.get(lv, -math.inf) >= p.quant_peak_window_s
                 and now_s - self._slow_here_s.get(lv, -math.inf) >= p.quant_slow_retry_s
-                and (hint(lv)[0] < hint(level)[0] or hint(lv)[0] == 0.0)
+                and faster(lv)
             ]
-            what = f"not measured at batches of {self._running_now} yet"
+            if retry or not unexplored:
+                unexplored = retry
+                what = f"not measured at batches of {self._running_now} yet"
         # A level the table ranks no faster than one measured slower here is not tried: the
         # table's error is the machine's (on a CPU without bf16 or int8 instructions, their
         # trials measured them 1.5-4x slower than fp32), and each trial costs latency until
@@ -1781,6 +1951,14 @@ class Controller:
         ]
         if slow_known:
             unexplored = [lv for lv in unexplored if hint(lv)[0] < min(slow_known)]
+        # The table's speed is a batch-16 figure: where batches like that run, a calm trial of
+        # a level it ranks slower than the level in force is not made (int8 on steady load
+        # here: 10 s of a level that could not keep up at the clock in force, and the clock
+        # raised to the top for it). At smaller batches, where lighter weights may be
+        # cheaper, it is.
+        mine = hint(level)[0]
+        if not stuck and mine < 0.0 and self._running_peak >= p.quant_table_batch_min:
+            unexplored = [lv for lv in unexplored if hint(lv)[0] < mine or hint(lv)[0] == 0.0]
         steady_s = now_s - self._feasible_since_s if self._feasible_since_s is not None else 0.0
         calm = now_s - self._last_guard_s >= p.guard_hold_s and steady_s >= 5.0
         # Once a trial has measured a level much slower than the table said, the table is
@@ -1808,7 +1986,9 @@ class Controller:
                 self.engine.max_num_batched_tokens_min,
                 base.max_num_batched_tokens // p.quant_trial_probe_fraction,
             )
-            knobs = base.with_changes(quant_level=target)
+            # No decode pacing through a trial: its verdict compares the two levels' models,
+            # and a young model's paced predictions rest on batches it has not seen.
+            knobs = base.with_changes(quant_level=target, decode_interval_ms=0.0)
             note = ""
             if probe < base.max_num_batched_tokens and not stuck:
                 self._probe_chunk_from = base.max_num_batched_tokens
@@ -1864,7 +2044,8 @@ class Controller:
         limit = knobs.power_limit_w
         if limit is not None:
             limit = self._clamp_power(limit) if d.can_set_power_limit else None
-        return Knobs(seqs, tokens, level, clock, limit)
+        interval = min(max(knobs.decode_interval_ms, 0.0), e.decode_interval_max_ms)
+        return Knobs(seqs, tokens, level, clock, limit, interval)
 
     def _finish(
         self, choice: _Choice, now_s: float, budget_w: float, telemetry: Telemetry | None
@@ -1884,6 +2065,7 @@ class Controller:
             self._ttft_ratio.clear()
             self._tpot_ratio.clear()
             self._pred_ttft_ms.value = self._pred_tpot_ms.value = None
+            self._pred_step_ms.value = None
         if previous is not None and knobs.sm_clock_mhz != previous.sm_clock_mhz:
             self._last_clock_change_s = now_s
             if (knobs.sm_clock_mhz or 0) > (previous.sm_clock_mhz or 0):

@@ -123,14 +123,19 @@ class StepTimeModel:
     a_k: the costs at the top clock; b_k: how much of them stretches as the clock drops
     (b_k = a_k for fully compute-bound work, 0 for memory-bound). Steps at the top clock
     teach a_k alone; b_k starts at 0 (optimistic: the controller steps down, guarded, and
-    learns it from the steps it sees there) and is kept >= 0 in predictions, so a step
-    never gets faster at a lower clock.
+    learns it from the steps it sees there). A negative b_k is the fit trading one cost's
+    stretch against another's (a step's whole time stretches with its own arithmetic
+    intensity, which no one feature carries, and a steady load moves the features
+    together): that cost is then taken as flat, at its fitted value at the mean stretch of
+    the steps learned from, so no cost falls as the clock drops.
     """
 
     def __init__(self, sm_clock_max_mhz: int, forgetting: float = 0.998) -> None:
         self.f_max = float(sm_clock_max_mhz)
         self.rls = RecursiveLeastSquares([0.0] * 8, p0=1.0, forgetting=forgetting)
         self.samples_by_clock: dict[int, int] = {}
+        # The mean stretch (f_max / f - 1) of the steps learned from, forgotten as they are.
+        self.stretch_mean = 0.0
         # Steps seen by decode batch, in power-of-two buckets (1, 2-3, 4-7, ...): a model
         # fitted on small batches says little about large ones.
         self.samples_by_batch: dict[int, int] = {}
@@ -144,6 +149,7 @@ class StepTimeModel:
         well apart teach it."""
         other = StepTimeModel(int(self.f_max))
         other.rls.theta = list(self.rls.theta)
+        other.stretch_mean = self.stretch_mean
         for k in range(4, 8):
             other.rls.p[k][k] = stretch_p0
         return other
@@ -153,6 +159,8 @@ class StepTimeModel:
         x = _step_features(ratio, step.prefill_tokens, step.decode_tokens, step.context_tokens)
         self.rls.update(x, step.duration_s)
         self.samples_by_clock[clock_mhz] = self.samples_by_clock.get(clock_mhz, 0) + 1
+        weight = max(1.0 / max(self.rls.updates, 1), 1.0 - self.rls.forgetting)
+        self.stretch_mean += weight * (max(ratio - 1.0, 0.0) - self.stretch_mean)
         if step.decode_tokens >= 1:
             bucket = 1 << (int(step.decode_tokens).bit_length() - 1)
             self.samples_by_batch[bucket] = self.samples_by_batch.get(bucket, 0) + 1
@@ -188,7 +196,15 @@ class StepTimeModel:
             for k in (2, 6):  # top-clock and clock-stretch parts
                 th[k] = th[k] + th[k + 1] * fold
                 th[k + 1] = 0.0
-        per = [max(th[k], 0.0) + max(th[k + 4], 0.0) * stretch for k in range(4)]
+        # A cost the fit has falling as the clock drops (b < 0) is flat at its value where
+        # the steps were. (Clipping a and b each at 0 instead kept an inflated top-clock
+        # decode cost and dropped its negative stretch: bf16's decode token came out at
+        # 3.5 ms at 945 MHz where the steps there took 1.9.)
+        per = []
+        for k in range(4):
+            b = th[k + 4]
+            s = stretch if b >= 0 else self.stretch_mean
+            per.append(max(th[k] + b * s, 0.0))
         return StepCoefficients(
             base_s=max(per[0], 0.0),
             per_prefill_token_s=max(per[1], 0.0) / _PREFILL_SCALE,
@@ -338,7 +354,11 @@ class WorkloadEstimator:
         prompt_tokens_total: int,
         output_tokens_total: int,
         steps: Sequence[StepRecord],
+        paced: bool = False,
     ) -> None:
+        """paced: decode pacing was in force over these steps; the prefill share is then
+        left as it was (pacing shrinks the decode time, not the prefill work, and the share
+        scales the unpaced busy time predictions start from)."""
         if self._last is not None:
             t0, r0, p0, o0 = self._last
             dt = now_s - t0
@@ -357,7 +377,7 @@ class WorkloadEstimator:
             ctx = sum(s.context_tokens for s in steps) / decode
             self._context.add(ctx, 1.0)
         busy = sum(s.duration_s for s in steps)
-        if busy > 0:
+        if busy > 0 and not paced:
             share = sum(s.duration_s for s in steps if s.has_prefill) / busy
             self._prefill_share.add(share, busy)
 
@@ -458,6 +478,7 @@ def predict(
     temp_c: float | None,
     ttft_ratio: float,
     tpot_ratio: float,
+    decode_interval_s: float = 0.0,
 ) -> Prediction:
     """Steady-state prediction for continuous batching under `workload`.
 
@@ -468,6 +489,13 @@ def predict(
     waiting plus the prompt's chunks, stretched by 1 / (1 - u) for queueing; TPOT: the
     step time. Percentiles come from the
     learned ratios. Power from the power model at the predicted busy shares.
+
+    Decode pacing (decode_interval_s longer than the unpaced step t): a decode-only step
+    starts no sooner than the interval after the one before while nothing waits. Steps
+    with prefill come with the prompts; decode-only steps fill the time left, one per
+    interval; TPOT is the mean gap between them, and the decode batch (output rate x that
+    gap) sets each step's length. The engine idles between steps: fewer, larger steps,
+    each of which reads the weights once.
     """
     w = workload
     co = step_model.coefficients(clock_mhz, w.mean_context_tokens)
@@ -484,22 +512,54 @@ def predict(
         if w.output_tokens_per_s * t_loaded >= 1.0
         else max(t_loaded, min(t_single, t_loaded * 2))
     )
-    decode_batch = max(w.output_tokens_per_s * t, 1.0 if not w.is_idle else 0.0)
+    paced = decode_interval_s > t and not w.is_idle
+    period = t  # the mean time between a request's tokens
+    ctx = w.mean_context_tokens
+    if paced:
+        # Steps with prefill (each arriving prompt's chunks) run as they come; decode-only
+        # steps fill the rest of the time, one per interval (or per step, if longer). A
+        # running request gets a token from each, so the mean gap between its tokens is
+        # 1 / (steps per second), and the decode batch that gap holds (output rate x gap)
+        # sets every step's length: a fixed point, found in a few rounds.
+        period = decode_interval_s
+        for _ in range(4):
+            batch = max(w.output_tokens_per_s * period, 1.0)
+            room = max(max_num_batched_tokens - batch, 1.0)
+            n_chunks = max(1.0, math.ceil(w.mean_prompt_tokens / room))
+            t_prefill_step = co.step_s(min(w.mean_prompt_tokens, room), batch, batch * ctx)
+            t_decode_step = co.step_s(0, batch, batch * ctx)
+            prefill_steps_per_s = w.request_rate_per_s * n_chunks
+            free = 1.0 - prefill_steps_per_s * t_prefill_step
+            if free <= 0.05:
+                stable = False
+                break
+            decode_steps_per_s = free / max(decode_interval_s, t_decode_step)
+            period = 1.0 / (prefill_steps_per_s + decode_steps_per_s)
+    decode_batch = max(w.output_tokens_per_s * period, 1.0 if not w.is_idle else 0.0)
     if decode_batch > max_num_seqs * 0.9:
         stable = False
     chunk_room = max(max_num_batched_tokens - decode_batch, 1.0)
     chunks = max(1.0, math.ceil(w.mean_prompt_tokens / chunk_room))
     chunk_tokens = min(w.mean_prompt_tokens, chunk_room)
-    t_chunk = co.step_s(chunk_tokens, decode_batch, decode_batch * w.mean_context_tokens)
+    t_chunk = co.step_s(chunk_tokens, decode_batch, decode_batch * ctx)
+    # A step in progress when a request arrives: the unpaced mean step, or a paced batch's.
+    t_step = co.step_s(0, decode_batch, decode_batch * ctx) if paced else t
     # Arrivals queue behind each other's prefill: waiting grows like 1 / (1 - u).
-    mean_ttft_s = (0.5 * t + chunks * t_chunk) / max(1.0 - u, 0.05)
-    mean_tpot_s = t
+    mean_ttft_s = (0.5 * t_step + chunks * t_chunk) / max(1.0 - u, 0.05)
+    mean_tpot_s = period
     out_per_req = w.output_tokens_per_s / w.request_rate_per_s if w.request_rate_per_s > 0 else 0
-    concurrency = w.request_rate_per_s * (mean_ttft_s + out_per_req * t)
+    concurrency = w.request_rate_per_s * (mean_ttft_s + out_per_req * period)
     busy = 1.0 - math.exp(-concurrency) if not w.is_idle else 0.0
     if w.prefill_time_share is not None:
         prefill_busy = busy * w.prefill_time_share  # measured: prefill is chunked unevenly
     else:
+        prefill_busy = min(busy, w.request_rate_per_s * chunks * t_chunk)
+    if paced and stable:
+        # Busy for the steps counted above, idle in between.
+        step_busy = w.request_rate_per_s * chunks * t_chunk + (
+            1.0 - w.request_rate_per_s * chunks * t_chunk
+        ) * min(1.0, t_step / decode_interval_s)
+        busy = min(busy, step_busy)
         prefill_busy = min(busy, w.request_rate_per_s * chunks * t_chunk)
     decode_busy = max(busy - prefill_busy, 0.0)
     power = power_model.predict_w(clock_mhz, decode_busy, prefill_busy, temp_c)
@@ -518,7 +578,9 @@ def predict(
         decode_batch=decode_batch,
         busy_fraction=busy,
         ttft_ms=1000.0 * mean_ttft_s * ttft_ratio if stable else math.inf,
-        tpot_ms=1000.0 * mean_tpot_s * tpot_ratio if stable else math.inf,
+        # The percentile spread is the unpaced step's (tpot_ratio: measured excess over the
+        # mean in units of it): pacing moves the mean, not what spreads it.
+        tpot_ms=1000.0 * (mean_tpot_s + (tpot_ratio - 1.0) * t) if stable else math.inf,
         mean_ttft_ms=1000.0 * mean_ttft_s,
         mean_tpot_ms=1000.0 * mean_tpot_s,
         power_w=power,

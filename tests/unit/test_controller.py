@@ -20,7 +20,7 @@ from controller.controller import (
     Reason,
     candidate_clocks,
 )
-from controller.policy import ControlMode, Knobs, Policy, QuantOption
+from controller.policy import ControlMode, Knobs, Objective, Policy, QuantOption
 from controller.signals import (
     DeviceConstraints,
     EngineConstraints,
@@ -40,6 +40,8 @@ def make_controller(
     params: ControllerParams | None = None,
     max_ppl: float | None = None,
     can_set_power_limit: bool = True,
+    decode_interval_max_ms: float = 0.0,
+    objective: Objective = Objective.MIN_ENERGY_PER_TOKEN,
 ) -> Controller:
     policy = Policy(
         power_budget_w=budget_w,
@@ -47,6 +49,7 @@ def make_controller(
         tpot_slo_ms=200.0,
         mode=mode,
         max_ppl_increase_pct=max_ppl,
+        objective=objective,
     )
     device = DeviceConstraints(
         LADDER,
@@ -54,14 +57,17 @@ def make_controller(
         power_limit_max_w=700.0,
         can_set_power_limit=can_set_power_limit,
     )
-    engine = EngineConstraints(64, 512, 16, levels, "fp32")
+    engine = EngineConstraints(
+        64, 512, 16, levels, "fp32", decode_interval_max_ms=decode_interval_max_ms
+    )
     return Controller(policy, device, engine, Knobs(64, 512, "fp32"), params)
 
 
 @dataclass
 class Plant:
     """A GPU plus engine in closed form. Rates are offered load; the engine steps back to
-    back while anything runs; a decode batch over the cap waits."""
+    back while anything runs (with decode pacing, a step starts no sooner than the interval
+    after the one before, idle in between); a decode batch over the cap waits."""
 
     decode_rate_tok_s: float = 120.0
     prompt_rate_tok_s: float = 120.0
@@ -98,6 +104,7 @@ class Plant:
     ) -> tuple[Telemetry, EngineStats]:
         level = (knobs.quant_level if knobs else None) or "fp32"
         cap = knobs.max_num_seqs if knobs else 64
+        interval = knobs.decode_interval_ms / 1000.0 if knobs else 0.0
         if knobs is not None and knobs.sm_clock_mhz:
             self.clock_mhz = knobs.sm_clock_mhz
         start = self.t_s
@@ -105,6 +112,7 @@ class Plant:
         t_prev = self.step_s(0, 1, level)
         elapsed = 0.0
         dec_busy = pre_busy = 0.0
+        periods = []
         busy = self.decode_rate_tok_s > 0
         while busy and elapsed < TICK_S:
             want = self.decode_rate_tok_s * t_prev
@@ -119,8 +127,10 @@ class Plant:
                 pre_busy += t
             else:
                 dec_busy += t
-            elapsed += t
-            t_prev = t
+            period = max(t, interval)  # the time between a request's tokens
+            elapsed += period
+            t_prev = period
+            periods.append(period)
             if want > cap:
                 self.waiting += 1
         self.t_s = start + max(elapsed, TICK_S)
@@ -130,12 +140,15 @@ class Plant:
         self.powers.append((self.t_s, power))
         n_req = self.rng.random() < self.request_rate_s * span
         mean_step = sum(s.duration_s for s in steps) / len(steps) if steps else 0.0
+        mean_period = sum(periods) / len(periods) if periods else 0.0
         ttft = tuple(
             (0.5 * mean_step + self.step_s(100, 1, level))
             * (1 + self.noise * abs(self.rng.gauss(0, 1)))
             for _ in range(int(n_req))
         )
-        tpot = tuple(mean_step * (1 + self.noise * self.rng.gauss(0, 1)) for _ in range(int(n_req)))
+        tpot = tuple(
+            mean_period * (1 + self.noise * self.rng.gauss(0, 1)) for _ in range(int(n_req))
+        )
         self.totals[0] += int(n_req)
         self.totals[1] += int(self.prompt_rate_tok_s * span)
         self.totals[2] += sum(s.decode_tokens for s in steps)
@@ -850,3 +863,63 @@ def test_controller_params_refuse_values_that_make_no_sense(bad):
     name = next(iter(bad))
     with pytest.raises(ValueError, match=name):
         ControllerParams(**bad)
+
+
+def plant_joules_since(plant: Plant, since_s: float) -> float:
+    """The energy the plant drew after since_s (one power reading per tick)."""
+    return sum(w * TICK_S for t, w in plant.powers if t > since_s)
+
+
+def test_decode_pacing_at_a_light_load_saves_energy_within_the_tpot_slo():
+    def one_run(pacing_ms: float) -> tuple[Controller, Plant, list, float]:
+        ctl = make_controller(decode_interval_max_ms=pacing_ms)
+        plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
+        decisions = run(ctl, plant, 60)
+        tokens0, t0 = plant.totals[2], plant.t_s
+        decisions += run(ctl, plant, 60)
+        joules = plant_joules_since(plant, t0)
+        return ctl, plant, decisions, joules / (plant.totals[2] - tokens0)
+
+    ctl, plant, decisions, paced_j = one_run(1000.0)
+    _, _, unpaced, unpaced_j = one_run(0.0)
+    assert all(d.knobs.decode_interval_ms == 0.0 for d in unpaced)
+    last = decisions[-40:]
+    assert all(d.knobs.decode_interval_ms > 0 for d in last)
+    assert any("decode interval 0 ->" in d.reason for d in decisions)
+    # The interval is one of the candidates (fractions of the 200 ms TPOT SLO), the TPOT
+    # the plant produced stays within the SLO, and the same load costs less per token.
+    assert {d.knobs.decode_interval_ms for d in last} <= {40.0, 60.0, 80.0, 100.0, 120.0, 140.0}
+    assert max(last[-1].knobs.decode_interval_ms, plant.step_s(60, 12, "fp32")) < 0.2 * 1000
+    assert ctl.counters.knob_changes.get("decode_interval_ms", 0) <= 6
+    assert paced_j < 0.9 * unpaced_j
+
+
+def test_a_tpot_miss_turns_decode_pacing_off_at_once():
+    ctl = make_controller(decode_interval_max_ms=1000.0)
+    plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
+    run(ctl, plant, 90)
+    assert ctl.knobs.decode_interval_ms > 0
+    plant.level_speed["fp32"] = 12.0  # steps twelve times as long: TPOT over the SLO
+    decisions = run(ctl, plant, 10)
+    miss = next(d for d in decisions if d.reason_code is Reason.SLO_MISS)
+    assert "TPOT" in miss.reason and miss.knobs.decode_interval_ms == 0.0
+    assert "decode pacing off" in miss.reason
+
+
+@pytest.mark.parametrize(
+    "objective, pacing_ms",
+    [(Objective.MIN_LATENCY, 1000.0), (Objective.MIN_ENERGY_PER_TOKEN, 0.0)],
+)
+def test_no_decode_pacing_for_min_latency_or_an_engine_that_cannot_pace(objective, pacing_ms):
+    ctl = make_controller(decode_interval_max_ms=pacing_ms, objective=objective)
+    plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
+    decisions = run(ctl, plant, 90)
+    assert all(d.knobs.decode_interval_ms == 0.0 for d in decisions)
+
+
+def test_the_decode_interval_is_clamped_to_the_engine_s_longest():
+    ctl = make_controller(mode=ControlMode.MANUAL, decode_interval_max_ms=100.0)
+    ctl.set_manual_knobs(Knobs(64, 512, "fp32", decode_interval_ms=5000.0))
+    plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0)
+    decisions = run(ctl, plant, 5)
+    assert {d.knobs.decode_interval_ms for d in decisions} == {100.0}

@@ -280,3 +280,61 @@ def test_a_prior_keeps_the_clock_sensitivity_a_short_trial_cannot_teach():
     # trials predict the low clock far too fast, which would lure the clock down.
     loose = [trial(seed, 1.0) for seed in range(6)]
     assert min(loose) < 0.8, loose
+
+
+def test_a_negative_clock_stretch_is_held_flat_at_the_clocks_the_steps_ran():
+    # The fit says decode tokens cost 3.5 ms at the top clock and 1.5 ms less per unit of
+    # stretch: a trade against another cost's stretch, not a step that gets faster as the
+    # clock drops. Where its steps ran (mean stretch 1.1, about 945 MHz) that is 1.85 ms;
+    # clipping the stretch alone predicted 3.5 ms there.
+    model = StepTimeModel(1980)
+    model.rls.theta = [0.040, 0.0, 0.035, 0.0, 0.010, 0.0, -0.015, 0.0]
+    model.stretch_mean = 1.1
+    at = {f: model.coefficients(f).per_decode_token_s for f in (1980, 945, 645)}
+    assert at[945] == pytest.approx(0.0035 - 0.0015 * 1.1, rel=1e-6)
+    assert at[1980] == at[945] == at[645]  # flat: never cheaper at a lower clock
+    base = {f: model.coefficients(f).base_s for f in (1980, 945, 645)}
+    assert base[1980] < base[945] < base[645]  # a positive stretch still stretches
+
+
+def test_the_mean_stretch_follows_the_clocks_the_steps_ran_at():
+    model = StepTimeModel(1980)
+    for f in (990, 990, 1980, 1980):
+        model.learn(StepRecord(0.0, 0.05, 0, 8, 800, "fp32", f), f)
+    assert model.stretch_mean == pytest.approx(0.5)
+    assert model.as_prior().stretch_mean == model.stretch_mean
+
+
+def test_decode_pacing_predicts_fewer_larger_steps_for_less_energy():
+    step, power = _models()
+    w = Workload(0.4, 40.0, 40.0, 100.0, 200.0)
+
+    def at(interval_s: float):
+        return predict(
+            level="fp32",
+            clock_mhz=1980,
+            max_num_seqs=64,
+            max_num_batched_tokens=512,
+            workload=w,
+            step_model=step,
+            power_model=power,
+            temp_c=50.0,
+            ttft_ratio=1.0,
+            tpot_ratio=1.5,
+            decode_interval_s=interval_s,
+        )
+
+    free, paced = at(0.0), at(0.15)
+    assert free.mean_tpot_ms < 50 and at(free.step_s / 2) == free  # shorter: no pacing
+    # Paced: the gap between a request's tokens is at most the interval (prefill steps in
+    # between also decode), the batch grows with it, the engine idles, a token costs less.
+    assert 100 < paced.mean_tpot_ms <= 150
+    assert paced.decode_batch == pytest.approx(40.0 * paced.mean_tpot_ms / 1000)
+    assert paced.busy_fraction < free.busy_fraction
+    assert paced.j_per_token < free.j_per_token
+    # The percentile spread is the unpaced step's: added to the paced mean, not scaled.
+    assert paced.tpot_ms == pytest.approx(paced.mean_tpot_ms + 0.5 * free.step_s * 1000)
+    # Prefill steps (one per arriving prompt) that leave no time for the paced ones: an
+    # engine that cannot keep up, so the interval is never chosen there.
+    w = Workload(60.0, 600.0, 40.0, 10.0, 200.0)
+    assert at(0.0).stable and not at(0.15).stable
