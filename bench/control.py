@@ -1285,6 +1285,16 @@ def plot_scenario(results: list[RunResult], policy: Policy, path: Path, title: s
         where="post",
         label="max_num_seqs",
     )
+    paced = [(s.t_s, s.knobs.get("decode_interval_ms")) for s in ctl.samples if s.knobs]
+    if any(v for _, v in paced):
+        ax2.step(
+            [t for t, _ in paced],
+            [(v or 0.0) / 5.0 for _, v in paced],
+            color="tab:pink",
+            lw=1,
+            where="post",
+            label="decode interval ms / 5",
+        )
     levels = sorted({s.knobs.get("quant_level") for s in ctl.samples if s.knobs.get("quant_level")})
     if len(levels) > 1 or levels:
         q = [(s.t_s, s.knobs.get("quant_level")) for s in ctl.samples if s.knobs.get("quant_level")]
@@ -1297,7 +1307,7 @@ def plot_scenario(results: list[RunResult], policy: Policy, path: Path, title: s
             where="post",
             label="quant level: " + ", ".join(f"{8 * (1 + i)}={lv}" for i, lv in enumerate(levels)),
         )
-    ax2.set_ylabel("max_num_seqs / quant level")
+    ax2.set_ylabel("max_num_seqs / quant level / interval")
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, loc="upper right", fontsize=8)
@@ -1582,6 +1592,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--capacity-s", type=float, default=40.0, help="real engine: capacity measurement time"
     )
+    ap.add_argument(
+        "--capacity-req-s",
+        type=float,
+        default=None,
+        help="real engine: take this capacity (req/s) instead of measuring it (to compare "
+        "runs on a shared CPU whose speed varies)",
+    )
     ap.add_argument("--calibration", type=Path, default=None)
     ap.add_argument("--recalibrate", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("docs"))
@@ -1610,7 +1627,12 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load_model(args.model, default_cache_dir(), args.dtype)
         # The real engine's own capacity now, on this (shared) CPU: the calibration's
         # would overload it whenever a neighbour slows the cores down.
-        capacity = measure_capacity_real(loaded, start, mix, args.capacity_s)
+        if args.capacity_req_s is not None:
+            if not args.capacity_req_s > 0:
+                raise SystemExit("--capacity-req-s must be > 0")
+            capacity = args.capacity_req_s
+        else:
+            capacity = measure_capacity_real(loaded, start, mix, args.capacity_s)
     else:
         capacity = measure_capacity(cal, start, mix)
     duration = args.duration_s or (300.0 if args.engine == "model" else 60.0)

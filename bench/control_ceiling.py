@@ -11,9 +11,10 @@ each:
 - decode pacing: a decode-only step starts no sooner than an interval after the previous
   one while no request waits (bigger decode batches, idle gaps between steps);
 - both.
-The last two are mechanisms of the engine model only: wattserve's engine and controller
-do not have them. They are here to measure what they would be worth. Nothing in this
-module is a controller or a baseline: every setting knows the whole trace in advance.
+Per-phase clocks are a mechanism of the engine model only, here to measure what they would
+be worth; decode pacing is the engine's knob (EngineLimits.decode_interval_ms) and the
+controller's. Nothing in this module is a controller or a baseline: every setting knows
+the whole trace in advance.
 Prints one line per family and, last, one JSON object.
 """
 
