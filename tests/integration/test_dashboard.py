@@ -305,26 +305,37 @@ def test_dashboard_in_headless_chromium(server, browser, tmp_path) -> None:
             assert errors == [], errors
 
             # Hovering a mark on the knobs chart shows the message of the event it marks
-            # (the most isolated mark, so that a neighbour cannot be the nearer one).
-            mark = page.evaluate(
-                """() => {
-                  const u = window.wattserve.charts.knobs;
-                  const xs = window.wattserve.data.events
-                    .filter((e) => ["decision", "policy_changed"].includes(e.kind) &&
-                                   e.time_unix_s >= u.scales.x.min)
-                    .map((e) => ({x: u.valToPos(e.time_unix_s, "x"), message: e.message}));
-                  const gap = (m) => Math.min(...xs.filter((o) => o !== m)
-                                                   .map((o) => Math.abs(o.x - m.x)), 1e9);
-                  const best = xs.reduce((a, b) => (gap(b) >= gap(a) ? b : a));
-                  const r = u.over.getBoundingClientRect();
-                  return {x: r.left + best.x, y: r.top + r.height / 2,
-                          near: xs.filter((o) => Math.abs(o.x - best.x) <= 8)
-                                  .map((o) => o.message)};
-                }"""
-            )
-            page.mouse.move(mark["x"], mark["y"])
+            # (the most isolated mark, so that a neighbour cannot be the nearer one). The
+            # chart scrolls in real time: on a loaded machine the mark can move away between
+            # finding it and hovering it, so the hover is tried again from a fresh position.
+            from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
             tip = page.locator("#marker-tip")
-            tip.wait_for(state="visible", timeout=5_000)
+            for attempt in range(4):
+                page.mouse.move(5, 5)  # leave the plot: the next move enters it afresh
+                mark = page.evaluate(
+                    """() => {
+                      const u = window.wattserve.charts.knobs;
+                      const xs = window.wattserve.data.events
+                        .filter((e) => ["decision", "policy_changed"].includes(e.kind) &&
+                                       e.time_unix_s >= u.scales.x.min)
+                        .map((e) => ({x: u.valToPos(e.time_unix_s, "x"), message: e.message}));
+                      const gap = (m) => Math.min(...xs.filter((o) => o !== m)
+                                                       .map((o) => Math.abs(o.x - m.x)), 1e9);
+                      const best = xs.reduce((a, b) => (gap(b) >= gap(a) ? b : a));
+                      const r = u.over.getBoundingClientRect();
+                      return {x: r.left + best.x, y: r.top + r.height / 2,
+                              near: xs.filter((o) => Math.abs(o.x - best.x) <= 8)
+                                      .map((o) => o.message)};
+                    }"""
+                )
+                page.mouse.move(mark["x"], mark["y"])
+                try:
+                    tip.wait_for(state="visible", timeout=2_000)
+                    break
+                except PlaywrightTimeout:
+                    if attempt == 3:
+                        raise
             shown = tip.inner_text()
             assert any(message in shown for message in mark["near"]), (shown, mark)
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
