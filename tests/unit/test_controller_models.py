@@ -114,23 +114,33 @@ def _models() -> tuple[StepTimeModel, PowerModel]:
     return step, PowerModel(1980, 700.0)
 
 
+def _predict_top_clock(
+    models: tuple[StepTimeModel, PowerModel],
+    w: Workload,
+    tpot_ratio: float = 1.0,
+    interval_s: float = 0.0,
+):
+    step, power = models
+    return predict(
+        level="fp32",
+        clock_mhz=1980,
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        workload=w,
+        step_model=step,
+        power_model=power,
+        temp_c=50.0,
+        ttft_ratio=1.0,
+        tpot_ratio=tpot_ratio,
+        decode_interval_s=interval_s,
+    )
+
+
 def test_prediction_grows_with_load_and_marks_saturation_unstable():
-    step, power = _models()
+    models = _models()
 
     def at(rate: float):
-        w = Workload(rate / 100, rate, rate, 100.0, 200.0)
-        return predict(
-            level="fp32",
-            clock_mhz=1980,
-            max_num_seqs=64,
-            max_num_batched_tokens=512,
-            workload=w,
-            step_model=step,
-            power_model=power,
-            temp_c=50.0,
-            ttft_ratio=1.0,
-            tpot_ratio=1.0,
-        )
+        return _predict_top_clock(models, Workload(rate / 100, rate, rate, 100.0, 200.0))
 
     light, heavy, over = at(20.0), at(200.0), at(2000.0)
     assert light.stable and heavy.stable and not over.stable
@@ -306,23 +316,11 @@ def test_the_mean_stretch_follows_the_clocks_the_steps_ran_at():
 
 
 def test_decode_pacing_predicts_fewer_larger_steps_for_less_energy():
-    step, power = _models()
+    models = _models()
     w = Workload(0.4, 40.0, 40.0, 100.0, 200.0)
 
     def at(interval_s: float):
-        return predict(
-            level="fp32",
-            clock_mhz=1980,
-            max_num_seqs=64,
-            max_num_batched_tokens=512,
-            workload=w,
-            step_model=step,
-            power_model=power,
-            temp_c=50.0,
-            ttft_ratio=1.0,
-            tpot_ratio=1.5,
-            decode_interval_s=interval_s,
-        )
+        return _predict_top_clock(models, w, tpot_ratio=1.5, interval_s=interval_s)
 
     free, paced = at(0.0), at(0.15)
     assert free.mean_tpot_ms < 50 and at(free.step_s / 2) == free  # shorter: no pacing
