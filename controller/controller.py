@@ -384,7 +384,6 @@ class Controller:
         self._last_shape_change_s = -math.inf
         self._last_batch_s = -math.inf
         self._last_pace_s = -math.inf
-        self._pace_off_now = False  # the latency guard's cause calls for no pacing
         self._last_chunk_change_s = -math.inf
         self._last_quant_switch_s: float | None = None
         self._explored: set[str] = set()
@@ -803,11 +802,6 @@ class Controller:
         workload = self._workload.current()
         latency = self._latency_guard(telemetry, stats, base, now_s, ceiling, budget_w, workload)
         if latency is not None:
-            if latency.knobs.decode_interval_ms > 0 and self._pace_off_now:
-                # Decode pacing trades TPOT headroom for energy: none to trade now. (A
-                # queue alone leaves it: the engine does not pace while requests wait.)
-                latency.knobs = latency.knobs.with_changes(decode_interval_ms=0.0)
-                latency.reason += "; decode pacing off"
             if self._exploring is not None and not self._exploring_stuck:
                 # A calm trial that hurts latency ends at once; a trial begun because the
                 # previous level could not cope is not its fault, and goes on.
@@ -1012,7 +1006,6 @@ class Controller:
         queue_late = drain_s is not None and drain_s > late_s
         if not (growing or long_wait or queue_late or ttft_miss or tpot_miss):
             return None
-        self._pace_off_now = bool(tpot_miss) or long_wait
         if now_s - self._last_guard_s < p.guard_cooldown_s:
             # Still within the cooldown of the last step up: keep its floor, no new step.
             return None
@@ -1076,10 +1069,17 @@ class Controller:
             if tpot_miss:
                 parts.append(f"TPOT {max(tpot_miss) * 1000:.0f} ms > {policy.tpot_slo_ms:g} ms")
             what = "measured " + ", ".join(parts)
+        # Decode pacing trades TPOT headroom for energy: a TPOT miss or a long wait leaves
+        # none to trade. (A queue alone leaves it: the engine does not pace while requests
+        # wait.)
+        pace_off = knobs.decode_interval_ms > 0 and bool(tpot_miss or long_wait)
         return _Choice(
             ControllerState.GUARD_LATENCY,
             knobs.with_changes(
-                sm_clock_mhz=target, max_num_seqs=seqs, max_num_batched_tokens=tokens
+                sm_clock_mhz=target,
+                max_num_seqs=seqs,
+                max_num_batched_tokens=tokens,
+                decode_interval_ms=0.0 if pace_off else knobs.decode_interval_ms,
             ),
             code,
             f"{what}: clock {clock} -> {target} MHz"
@@ -1093,7 +1093,8 @@ class Controller:
                 if tokens != knobs.max_num_batched_tokens
                 else ""
             )
-            + f"; floor held {p.guard_hold_s:g} s",
+            + f"; floor held {p.guard_hold_s:g} s"
+            + ("; decode pacing off" if pace_off else ""),
         )
 
     # ---- idle and fallback ----------------------------------------
@@ -1318,34 +1319,24 @@ class Controller:
         clocks = self._clock_range(level, now_s, ceiling)
 
         interval_now = knobs.decode_interval_ms
+
+        def at(f: int, interval: float) -> Prediction:
+            return self._predict(
+                level,
+                f,
+                knobs.max_num_seqs,
+                knobs.max_num_batched_tokens,
+                workload,
+                temp,
+                interval,
+            )
+
         # With the decode pacing interval in force or a shorter one (a longer one is the
         # pacing step's, below): the two trade TPOT against each other, and a clock-only
-        # search went to the top clock to keep a long interval's TPOT.
+        # search went to the top clock to keep a long interval's TPOT. (interval, prediction)
         intervals = [interval_now] + [i for i in self._pace_candidates() if i < interval_now]
-        interval_of: dict[int, float] = {}
-        preds = []
-        for interval in intervals:
-            for f in clocks:
-                pr = self._predict(
-                    level,
-                    f,
-                    knobs.max_num_seqs,
-                    knobs.max_num_batched_tokens,
-                    workload,
-                    temp,
-                    interval,
-                )
-                interval_of[id(pr)] = interval
-                preds.append(pr)
-        now_pred = self._predict(
-            level,
-            clock_now,
-            knobs.max_num_seqs,
-            knobs.max_num_batched_tokens,
-            workload,
-            temp,
-            knobs.decode_interval_ms,
-        )
+        cands = [(i, at(f, i)) for i in intervals for f in clocks]
+        now_pred = at(clock_now, interval_now)
         dt = now_s - self._pred_at_s if self._pred_at_s is not None else 0.0
         self._pred_at_s = now_s
         if math.isfinite(now_pred.mean_ttft_ms) and math.isfinite(now_pred.mean_tpot_ms):
@@ -1355,48 +1346,36 @@ class Controller:
         # Hysteresis band: a lower clock must meet the SLOs with a tighter margin than the
         # one that keeps the current clock, so noise near the edge cannot flip between them.
         feasible = [
-            pr
-            for pr in preds
+            (i, pr)
+            for i, pr in cands
             if self._feasible(
                 pr, budget_w, p.descend_margin if pr.sm_clock_mhz < clock_now else 1.0
             )
         ]
         if feasible:
-            best = min(
-                feasible,
-                key=lambda pr: (self._score(pr), -pr.sm_clock_mhz, -interval_of[id(pr)]),
+            target_interval, best = min(
+                feasible, key=lambda c: (self._score(c[1]), -c[1].sm_clock_mhz, -c[0])
             )
             state = ControllerState.TRACKING
         else:
             # Nothing meets everything: no pacing (no TPOT headroom to trade), inside the
             # power budget, then the most headroom.
-            preds = [pr for pr in preds if interval_of[id(pr)] == 0.0]
-            in_budget = [pr for pr in preds if self._within_budget(pr, budget_w)]
+            unpaced = [c for c in cands if c[0] == 0.0]
+            in_budget = [c for c in unpaced if self._within_budget(c[1], budget_w)]
             if not in_budget:
                 # The budget wins over model trust: look below the trusted clocks too.
                 lower = [
-                    self._predict(
-                        level,
-                        f,
-                        knobs.max_num_seqs,
-                        knobs.max_num_batched_tokens,
-                        workload,
-                        temp,
-                        knobs.decode_interval_ms,
-                    )
+                    (interval_now, at(f, interval_now))
                     for f in self._clocks
                     if f < clocks[0] and (ceiling is None or f <= ceiling)
                 ]
-                for pr in lower:
-                    interval_of[id(pr)] = knobs.decode_interval_ms
-                in_budget = [pr for pr in lower if self._within_budget(pr, budget_w)]
-                in_budget = in_budget or (lower[:1] if lower else preds[:1])
-            best = max(in_budget, key=lambda pr: pr.sm_clock_mhz)
+                in_budget = [c for c in lower if self._within_budget(c[1], budget_w)]
+                in_budget = in_budget or (lower[:1] if lower else unpaced[:1])
+            target_interval, best = max(in_budget, key=lambda c: c[1].sm_clock_mhz)
             state = ControllerState.TRACKING
             code = Reason.INFEASIBLE
             notes.append("no candidate predicted to meet every target: most headroom within budget")
         target = best.sm_clock_mhz
-        target_interval = interval_of.get(id(best), 0.0)
         now_ok = clock_now in clocks and self._feasible(now_pred, budget_w)
         gain = 0.0
         if (

@@ -556,11 +556,10 @@ def predict(
         prefill_busy = min(busy, w.request_rate_per_s * chunks * t_chunk)
     if paced and stable:
         # Busy for the steps counted above, idle in between.
-        step_busy = w.request_rate_per_s * chunks * t_chunk + (
-            1.0 - w.request_rate_per_s * chunks * t_chunk
-        ) * min(1.0, t_step / decode_interval_s)
+        prefill_share = w.request_rate_per_s * chunks * t_chunk
+        step_busy = prefill_share + (1.0 - prefill_share) * min(1.0, t_step / decode_interval_s)
         busy = min(busy, step_busy)
-        prefill_busy = min(busy, w.request_rate_per_s * chunks * t_chunk)
+        prefill_busy = min(busy, prefill_share)
     decode_busy = max(busy - prefill_busy, 0.0)
     power = power_model.predict_w(clock_mhz, decode_busy, prefill_busy, temp_c)
     decode_phase = power_model.predict_w(clock_mhz, 1.0, 0.0, temp_c)
