@@ -93,37 +93,37 @@ class ControllerParams:
     after a move up, for a clock_gain_min_pct gain, and while the level's model has fewer than
     descend_evidence_steps steps, below the clocks it has seen only after a first token at the
     clock in force), the batch caps every batch_period_s (the chunk at most every
-    chunk_period_s, growing only within chunk_grow_margin of its bound), the
-    quantization level after quant_dwell_s for a predicted gain of quant_gain_min_pct (a never-
-    run level is tried for quant_explore_dwell_s; a level that cannot cope for quant_stuck_s is
-    left sooner); a level's model is trusted up to batch_trust_factor x the largest decode batch
-    it has been fitted around (at least batch_trust_min), and a switch needs that trust at the
-    largest batch of the last quant_peak_window_s; nothing switches while a queue is served or a
-    guard holds, unless the level has not coped for quant_stuck_busy_s. A trial is judged on its
-    measured steps as they come: once quant_trial_min_steps steps and quant_trial_evidence_s of
-    them have run, a level whose steps took more than quant_trial_slowdown_max x what the level
-    before would have taken (its model, at the clocks they ran) is left at once, and not tried
-    again for quant_slow_retry_s; a trial still learning after quant_trial_max_s ends too (bench
+    chunk_period_s, growing only within chunk_grow_margin of its bound), the quantization level
+    after quant_dwell_s for a predicted gain of quant_gain_min_pct (a never-run level is tried
+    for quant_explore_dwell_s; a level that cannot cope for quant_stuck_s is left sooner); a
+    level's model is trusted up to batch_trust_factor x the largest decode batch it has been
+    fitted around (at least batch_trust_min), and a switch needs that trust at the largest batch
+    of the last quant_peak_window_s; nothing switches while a queue is served or a guard holds,
+    unless the level has not coped for quant_stuck_busy_s. A trial is judged on its measured
+    steps as they come: once quant_trial_min_steps steps and quant_trial_evidence_s of them have
+    run, a level whose steps took more than quant_trial_slowdown_max x what the level before
+    would have taken (its model, at the clocks they ran) is left at once, and not tried again
+    for quant_slow_retry_s; a trial still learning after quant_trial_max_s ends too (bench
     quant's speed table may come from another machine). A calm trial's first steps run with
-    1/quant_trial_probe_fraction of the chunk; a never-run level the table ranks slower than
-    the level in force is not tried calmly once batches of quant_table_batch_min run (the
-    table's speed is a batch-16 figure). Decode pacing: the interval is 0 or one of
-    pace_fractions x the TPOT SLO (within the engine's longest); a shorter one is weighed
-    with the clocks every observation, a longer one at most every pace_period_s, once the
-    level's model has descend_evidence_steps steps, and never through a trial. A prefill
-    chunk's step at the clock in
-    force stays within chunk_step_slo_factor x the TPOT SLO and chunk_step_ttft_factor x the
-    TTFT SLO. Margins: predictions must meet slo_margin x SLO (x descend_margin for a lower
-    clock) and power_margin x budget; the board power limit is set to power_limit_margin x
-    budget; a reading within power_noise_tolerance over the budget is noise. Guards: a latency
-    guard raises the clock by guard_clock_steps candidates, or to the lowest clock predicted to
-    prefill the waiting queue within slo_margin x the TTFT SLO (at most every guard_cooldown_s),
-    and holds that floor for guard_hold_s; a power guard lowers the clock at once and holds that
-    ceiling for power_hold_s (anti-windup; doubled up to power_hold_max_s when it fires again
-    soon, and for power_hold_max_s after it fires the board limit is not trusted to hold the
-    budget), released once power is under power_release_margin x budget. Thermal: the budget
-    is derated linearly from 1 at thermal_derate_start_c of margin to thermal_derate_min at
-    thermal_derate_full_c. Stale telemetry: hold for stale_hold_s, then
+    1/quant_trial_probe_fraction of the chunk; a never-run level the table ranks slower than the
+    level in force is not tried calmly once batches of quant_table_batch_min run (the table's
+    speed is a batch-16 figure), and a level in force that the table ranks slower than one
+    already run here is left for that one there. Decode pacing: the interval is 0 or one of
+    pace_fractions x the TPOT SLO (within the engine's longest); a shorter one is weighed with
+    the clocks every observation, a longer one at most every pace_period_s, once the level's
+    model has descend_evidence_steps steps, and never through a trial. A prefill chunk's step at
+    the clock in force stays within chunk_step_slo_factor x the TPOT SLO and
+    chunk_step_ttft_factor x the TTFT SLO. Margins: predictions must meet slo_margin x SLO (x
+    descend_margin for a lower clock) and power_margin x budget; the board power limit is set to
+    power_limit_margin x budget; a reading within power_noise_tolerance over the budget is
+    noise. Guards: a latency guard raises the clock by guard_clock_steps candidates, or to the
+    lowest clock predicted to prefill the waiting queue within slo_margin x the TTFT SLO (at
+    most every guard_cooldown_s), and holds that floor for guard_hold_s; a power guard lowers
+    the clock at once and holds that ceiling for power_hold_s (anti-windup; doubled up to
+    power_hold_max_s when it fires again soon, and for power_hold_max_s after it fires the board
+    limit is not trusted to hold the budget), released once power is under power_release_margin
+    x budget. Thermal: the budget is derated linearly from 1 at thermal_derate_start_c of margin
+    to thermal_derate_min at thermal_derate_full_c. Stale telemetry: hold for stale_hold_s, then
     the fallback knobs. Learning: learning_min_steps steps and learning_min_power_samples
     readings before the models are used; a clock counts as seen after trust_min_samples steps,
     and trust reaches trust_clock_steps beyond.
@@ -1834,16 +1834,50 @@ class Controller:
             # level's model, and the percentile ratios start again; the clock serves a
             # queue faster. Unless the level has not coped for quant_stuck_busy_s.
             return None
+
+        def hint(lv: str) -> tuple[float, int]:
+            # Fastest measured first, then the lightest weights.
+            opt = self._levels.get(lv)
+            speed = opt.decode_tok_s if opt is not None and opt.decode_tok_s else 0.0
+            return (-speed, opt.weight_bytes if opt is not None else 0)
+
+        # A level the table ranks slower than a level already run here, adopted while the
+        # batches were small (where lighter weights may be cheaper), is left for that level
+        # once batches of quant_table_batch_min run: there the table's batch-16 speed says
+        # more than a model fitted on small batches. (On a diurnal ramp, int8 tried in the
+        # calm of the morning held the peak at the top clock for a minute.)
+        mine = hint(level)[0]
+        table_rules = mine < 0.0 and self._running_peak >= p.quant_table_batch_min
+        if table_rules:
+            ahead = [
+                lv
+                for lv in allowed
+                if lv != level
+                and lv in self._step_models
+                and self._step_models[lv].samples >= p.learning_min_steps
+                and hint(lv)[0] < mine
+                and now_s - self._slow_here_s.get(lv, -math.inf) >= p.quant_slow_retry_s
+            ]
+            if ahead and since >= p.quant_explore_dwell_s:
+                lv = min(ahead, key=hint)
+                to = best_for(lv, True) or headroom(lv)
+                return switch(
+                    to,
+                    f"batches of {self._running_peak} run, where the speed table ranks {lv} "
+                    f"ahead of {level}",
+                )
         if since >= (p.quant_explore_dwell_s if stuck else p.quant_dwell_s):
             # Only levels whose models have seen batches like the largest of the last
             # quant_peak_window_s: the level is the slow knob, and the load comes back.
             peak = self._running_peak
+            # Where the table rules (above), not to a level it ranks slower: no flip-flop.
             known = [
                 best_for(lv, True, batch=peak)
                 for lv in allowed
                 if lv != level
                 and lv in self._step_models
                 and self._step_models[lv].samples >= p.learning_min_steps
+                and not (table_rules and mine < hint(lv)[0] < 0.0)
             ]
             known = [pr for pr in known if pr is not None]
             if not known and stuck:
@@ -1886,12 +1920,6 @@ class Controller:
         # cannot cope, a level measured faster (bench quant's decode speed) whose model has
         # not seen batches like those running now is tried again at this load (at most once
         # per quant_peak_window_s): its model, not trusted there, learns them.
-        def hint(lv: str) -> tuple[float, int]:
-            # Fastest measured first, then the lightest weights.
-            opt = self._levels.get(lv)
-            speed = opt.decode_tok_s if opt is not None and opt.decode_tok_s else 0.0
-            return (-speed, opt.weight_bytes if opt is not None else 0)
-
         unexplored = [
             lv
             for lv in allowed
@@ -1935,8 +1963,7 @@ class Controller:
         # here: 10 s of a level that could not keep up at the clock in force, and the clock
         # raised to the top for it). At smaller batches, where lighter weights may be
         # cheaper, it is.
-        mine = hint(level)[0]
-        if not stuck and mine < 0.0 and self._running_peak >= p.quant_table_batch_min:
+        if not stuck and table_rules:
             unexplored = [lv for lv in unexplored if hint(lv)[0] < mine or hint(lv)[0] == 0.0]
         steady_s = now_s - self._feasible_since_s if self._feasible_since_s is not None else 0.0
         calm = now_s - self._last_guard_s >= p.guard_hold_s and steady_s >= 5.0

@@ -7,6 +7,7 @@ busy, noisy latencies and readings. Each test drives Controller.observe() tick b
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass, field
@@ -641,16 +642,18 @@ class TwoLevelPlant(Plant):
         return base * (cs * 1980 / self.clock_mhz + (1 - cs))
 
 
-def test_a_level_that_cannot_cope_tries_a_faster_one_again_at_this_load():
-    levels = (
-        QuantOption("fp32", 0.0, 4, decode_tok_s=300.0),
-        QuantOption("int8", 0.5, 1, decode_tok_s=150.0),
-    )
+def _int8_adopted_when_calm(levels: tuple[QuantOption, ...]) -> tuple[Controller, Plant]:
     params = ControllerParams(quant_dwell_s=20.0, quant_explore_dwell_s=5.0)
     ctl = make_controller(levels=levels, params=params)
     plant = TwoLevelPlant(
         compute_share=0.3, decode_rate_tok_s=20.0, prompt_rate_tok_s=20.0, request_rate_s=0.2
     )
+    return ctl, plant
+
+
+def test_a_level_that_cannot_cope_tries_a_faster_one_again_at_this_load():
+    # No speed table: only the models speak for the levels.
+    ctl, plant = _int8_adopted_when_calm((QuantOption("fp32", 0.0, 4), QuantOption("int8", 0.5, 1)))
     calm = run(ctl, plant, 120)
     assert calm[-1].knobs.quant_level == "int8"  # tried when calm, and kept
     assert ctl._trusted_batch("fp32") < 20  # fp32 was seen at small batches only
@@ -659,6 +662,26 @@ def test_a_level_that_cannot_cope_tries_a_faster_one_again_at_this_load():
     again = [d for d in busy if d.reason_code is Reason.QUANT_EXPLORE]
     assert again and "not measured at batches" in again[0].reason
     assert again[0].knobs.quant_level == "fp32" and busy[-1].knobs.quant_level == "fp32"
+
+
+def test_a_level_adopted_when_calm_is_left_where_the_table_ranks_another_ahead():
+    # The table ranks fp32 twice as fast as int8 at batch 16; at the calm start (a batch
+    # or two) int8 is tried and kept. Once batches of 8 and more run, the controller goes
+    # back to fp32 on the table's word, before int8's model has to fail first.
+    ctl, plant = _int8_adopted_when_calm(
+        (
+            QuantOption("fp32", 0.0, 4, decode_tok_s=300.0),
+            QuantOption("int8", 0.5, 1, decode_tok_s=150.0),
+        )
+    )
+    calm = run(ctl, plant, 120)
+    assert calm[-1].knobs.quant_level == "int8"
+    plant.decode_rate_tok_s, plant.prompt_rate_tok_s, plant.request_rate_s = 250.0, 250.0, 2.0
+    busy = run(ctl, plant, 120)
+    back = [d for d in busy if d.reason_code is Reason.QUANT_SWITCH]
+    assert back and "speed table ranks fp32 ahead of int8" in back[0].reason
+    assert back[0].knobs.quant_level == "fp32" and busy[-1].knobs.quant_level == "fp32"
+    assert not [d for d in busy if d.reason_code is Reason.QUANT_EXPLORE]
 
 
 def test_the_prefill_chunk_shrinks_at_a_low_clock():
@@ -719,7 +742,6 @@ def test_after_a_trial_proves_the_table_wrong_no_escape_trials_under_load():
 
 
 def test_measured_steps_overrule_a_step_model_that_would_cut_the_batch_cap():
-    import dataclasses
 
     ctl = make_controller()
     plant = Plant(compute_share=0.1, decode_rate_tok_s=300.0, prompt_rate_tok_s=100.0)
@@ -773,7 +795,6 @@ def _cpu_like_step_model(ctl: Controller) -> None:
 
 
 def test_the_prefill_chunk_is_not_cut_below_what_the_ttft_slo_needs():
-    import dataclasses
 
     ctl = make_controller()
     plant = Plant(compute_share=0.5, decode_rate_tok_s=5.0, prompt_rate_tok_s=100.0)
@@ -826,7 +847,6 @@ def test_after_the_power_guard_acts_the_board_limit_is_not_taken_on_trust():
     # Where the board limit can hold the budget, the optimiser takes its word for any
     # clock; once the power guard has had to act (the limit did not hold), a clock
     # predicted over the budget is out for power_hold_max_s.
-    import dataclasses
 
     ctl = make_controller(budget_w=300.0)
     plant = Plant(compute_share=0.5, decode_rate_tok_s=30.0, prompt_rate_tok_s=30.0)
