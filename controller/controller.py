@@ -1045,7 +1045,16 @@ class Controller:
                 level, target, max(1, stats.num_running), workload.mean_context_tokens
             )
             tokens = max(tokens, bigger)
-        if (target, seqs, tokens) == (clock, knobs.max_num_seqs, knobs.max_num_batched_tokens):
+        # Decode pacing trades TPOT headroom for energy: a TPOT miss or a long wait leaves
+        # none to trade, at the top clock too. (A queue alone leaves it: the engine does not
+        # pace while requests wait.)
+        pace_off = knobs.decode_interval_ms > 0 and bool(tpot_miss or long_wait)
+        unchanged = (target, seqs, tokens) == (
+            clock,
+            knobs.max_num_seqs,
+            knobs.max_num_batched_tokens,
+        )
+        if unchanged and not pace_off:
             return None  # nothing left to raise: let the optimizer keep its choice
         self._last_guard_s = now_s
         self._floor_mhz = target
@@ -1069,10 +1078,6 @@ class Controller:
             if tpot_miss:
                 parts.append(f"TPOT {max(tpot_miss) * 1000:.0f} ms > {policy.tpot_slo_ms:g} ms")
             what = "measured " + ", ".join(parts)
-        # Decode pacing trades TPOT headroom for energy: a TPOT miss or a long wait leaves
-        # none to trade. (A queue alone leaves it: the engine does not pace while requests
-        # wait.)
-        pace_off = knobs.decode_interval_ms > 0 and bool(tpot_miss or long_wait)
         return _Choice(
             ControllerState.GUARD_LATENCY,
             knobs.with_changes(
@@ -1082,7 +1087,8 @@ class Controller:
                 decode_interval_ms=0.0 if pace_off else knobs.decode_interval_ms,
             ),
             code,
-            f"{what}: clock {clock} -> {target} MHz"
+            f"{what}: "
+            + (f"clock {clock} -> {target} MHz" if target != clock else f"clock {clock} MHz")
             + (
                 f", max_num_seqs {knobs.max_num_seqs} -> {seqs}"
                 if seqs != knobs.max_num_seqs

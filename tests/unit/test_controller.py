@@ -926,6 +926,23 @@ def test_a_tpot_miss_turns_decode_pacing_off_at_once():
     assert "decode pacing off" in miss.reason
 
 
+def test_a_tpot_miss_at_the_top_clock_still_turns_decode_pacing_off():
+    # Nothing is left to raise, but the interval is TPOT the guard can give back.
+    ctl = make_controller(decode_interval_max_ms=1000.0)
+    plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
+    run(ctl, plant, 30)
+    paced = ctl.knobs.with_changes(sm_clock_mhz=LADDER[-1], decode_interval_ms=80.0)
+    telemetry, stats = plant.tick(paced)
+    stats = dataclasses.replace(stats, tpot_s=(0.5,), num_waiting=0)  # SLO 200 ms
+    ctl._last_guard_s = -math.inf
+    choice = ctl._latency_guard(
+        telemetry, stats, paced, plant.t_s, None, 400.0, ctl._workload.current()
+    )
+    assert choice is not None and choice.code is Reason.SLO_MISS
+    assert choice.knobs.decode_interval_ms == 0.0 and choice.knobs.sm_clock_mhz == LADDER[-1]
+    assert "decode pacing off" in choice.reason
+
+
 @pytest.mark.parametrize(
     "objective, pacing_ms",
     [(Objective.MIN_LATENCY, 1000.0), (Objective.MIN_ENERGY_PER_TOKEN, 0.0)],
