@@ -431,8 +431,9 @@ def test_decisions_stay_inside_the_constraints():
     assert sum(ctl.counters.decisions.values()) == 600
 
 
-def test_hysteresis_bounds_knob_changes_on_a_noisy_steady_trace():
-    ctl = make_controller()
+@pytest.mark.parametrize("pacing_ms", [0.0, 1000.0])
+def test_hysteresis_bounds_knob_changes_on_a_noisy_steady_trace(pacing_ms):
+    ctl = make_controller(decode_interval_max_ms=pacing_ms)
     # Half the step time scales with the clock, 40 % step-time noise, 1 % power noise:
     # the SLO edge lies inside the noise, so a controller without hysteresis chatters
     # (about 11 clock changes a minute here without the band, interval and gain threshold).
@@ -444,6 +445,7 @@ def test_hysteresis_bounds_knob_changes_on_a_noisy_steady_trace():
     assert changes.get("sm_clock_mhz", 0) / 5.0 <= 4, changes
     assert changes.get("max_num_seqs", 0) / 5.0 <= 3, changes
     assert changes.get("quant_level", 0) == 0, changes
+    assert changes.get("decode_interval_ms", 0) / 5.0 <= 2, changes
     assert sum(changes.values()) / 5.0 <= 8, changes
 
 
