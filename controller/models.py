@@ -498,9 +498,10 @@ def predict(
     mean step time t the decode batch is output_rate * t and the prefill per step is
     prompt_rate * t: t = c0 + t * (c_p * prompt_rate + (c_d + c_ctx * ctx) * out_rate),
     i.e. t = c0 / (1 - u). u >= 1 means the engine cannot keep up. TTFT: half a step of
-    waiting plus the prompt's chunks, stretched by 1 / (1 - u) for queueing; TPOT: the
-    step time. Percentiles come from the
-    learned ratios. Power from the power model at the predicted busy shares.
+    waiting plus the prompt's chunks, stretched by 1 / (1 - rho) for queueing behind other
+    prompts, rho the share of time their chunks take (decode work only lengthens a chunk's
+    step, which the chunk's step time carries); TPOT: the step time. Percentiles come from
+    the learned ratios. Power from the power model at the predicted busy shares.
 
     Decode pacing (decode_interval_s longer than the unpaced step t): a decode-only step
     starts no sooner than the interval after the one before while nothing waits. Steps
@@ -556,7 +557,7 @@ def predict(
     t_chunk = co.step_s(chunk_tokens, decode_batch, decode_batch * ctx)
     # A step in progress when a request arrives: the unpaced mean step, or a paced batch's.
     t_step = co.step_s(0, decode_batch, decode_batch * ctx) if paced else t
-    # Arrivals queue behind each other's prefill: waiting grows like 1 / (1 - u).
+    # Arrivals queue behind each other's prefill: waiting grows like 1 / (1 - rho).
     prefill_load = w.request_rate_per_s * chunks * t_chunk
     mean_ttft_s = (0.5 * t_step + chunks * t_chunk) / max(1.0 - prefill_load, 0.05)
     mean_tpot_s = period
