@@ -744,7 +744,6 @@ def test_after_a_trial_proves_the_table_wrong_no_escape_trials_under_load():
 
 
 def test_measured_steps_overrule_a_step_model_that_would_cut_the_batch_cap():
-
     ctl = make_controller()
     plant = Plant(compute_share=0.1, decode_rate_tok_s=300.0, prompt_rate_tok_s=100.0)
     learn_only(ctl, plant, 120)
@@ -797,7 +796,6 @@ def _cpu_like_step_model(ctl: Controller) -> None:
 
 
 def test_the_prefill_chunk_is_not_cut_below_what_the_ttft_slo_needs():
-
     ctl = make_controller()
     plant = Plant(compute_share=0.5, decode_rate_tok_s=5.0, prompt_rate_tok_s=100.0)
     learn_only(ctl, plant, 120)
@@ -849,7 +847,6 @@ def test_after_the_power_guard_acts_the_board_limit_is_not_taken_on_trust():
     # Where the board limit can hold the budget, the optimiser takes its word for any
     # clock; once the power guard has had to act (the limit did not hold), a clock
     # predicted over the budget is out for power_hold_max_s.
-
     ctl = make_controller(budget_w=300.0)
     plant = Plant(compute_share=0.5, decode_rate_tok_s=30.0, prompt_rate_tok_s=30.0)
     decisions = run(ctl, plant, 30)  # a light load: well within the budget

@@ -157,7 +157,8 @@ def test_decode_work_lengthens_a_prompt_s_steps_but_queues_no_one():
     # is that, give or take, not that stretched by 1 / (1 - 0.8) as if it queued behind
     # the decode work (which put fp32 at the top clock at 3-4 s of TTFT on the real engine
     # while its requests saw 0.3-1.7 s).
-    step, power = models = _models()
+    models = _models()
+    step = models[0]
     w = Workload(1.0, 100.0, 400.0, 100.0, 200.0)
     pr = _predict_top_clock(models, w)
     assert pr.stable and pr.busy_fraction > 0.5
