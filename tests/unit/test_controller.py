@@ -18,6 +18,7 @@ from controller.controller import (
     Controller,
     ControllerParams,
     ControllerState,
+    Decision,
     Reason,
     candidate_clocks,
 )
@@ -718,6 +719,37 @@ def test_a_trial_level_measured_much_slower_than_its_table_says_is_left_at_once(
     assert ctl._slow_here_s.get("int8") is not None
     after = decisions[decisions.index(back) :]
     assert all(d.knobs.quant_level == "fp32" for d in after)
+
+
+def _guard_during_a_trial(vouched: bool) -> tuple[Controller, Decision]:
+    """A calm trial of int8 (the table's faster level) on a plant where it runs as fast as
+    fp32; one request misses its TTFT SLO (a latency guard) at the trial's first
+    observation, or once its steps have vouched for it (within the slowdown bound for
+    quant_trial_evidence_s of steps)."""
+    ctl = trial_controller(TABLE_INT8_TWICE_AS_FAST)
+    plant = calm_plant({"fp32": 1.0, "int8": 1.0})
+    knobs = ctl.knobs
+    for _ in range(int(240 / TICK_S)):
+        telemetry, stats = plant.tick(knobs)
+        knobs = ctl.observe(telemetry, stats, plant.t_s).knobs
+        if ctl._exploring is not None and (ctl._trial_ok or not vouched):
+            break
+    assert ctl._exploring == ("int8", "fp32") and ctl._trial_ok == vouched
+    telemetry, stats = plant.tick(knobs)
+    stats = dataclasses.replace(stats, ttft_s=(3.0,))  # SLO 2 s
+    ctl._last_guard_s = -math.inf
+    return ctl, ctl.observe(telemetry, stats, plant.t_s)
+
+
+def test_a_latency_guard_ends_a_calm_trial_only_before_its_steps_vouch_for_it():
+    ctl, d = _guard_during_a_trial(vouched=False)
+    assert d.reason_code is Reason.SLO_MISS and "trial of int8 aborted" in d.reason
+    assert d.knobs.quant_level == "fp32" and ctl._exploring is None
+    # Its steps ran as fp32's would: the miss is the clock's, and the trial goes on.
+    ctl, d = _guard_during_a_trial(vouched=True)
+    assert d.reason_code is Reason.SLO_MISS and "aborted" not in d.reason
+    assert d.knobs.quant_level == "int8" and ctl._exploring == ("int8", "fp32")
+    assert d.changed == ("sm_clock_mhz",)  # the guard raised the clock, and only that
 
 
 def test_after_a_trial_proves_the_table_wrong_no_escape_trials_under_load():
