@@ -1727,8 +1727,9 @@ class Controller:
         seen batches like the largest of the last quant_peak_window_s (a model fitted on
         small batches flatters a level at large ones). A level never run is tried for
         quant_explore_dwell_s when the load is calm, and kept only if then predicted
-        better. When the current level cannot meet the targets at any trusted clock, both
-        happen after quant_explore_dwell_s and without the gain threshold, and a level
+        better. When the current level cannot meet the targets at any trusted clock (and a
+        queue or a latency guard within quant_stuck_busy_s says so too), both happen after
+        quant_explore_dwell_s and without the gain threshold, and a level
         measured faster whose model has not seen the batches running now is tried again.
         Nothing switches while requests wait or a latency guard holds (unless the level
         has not coped for quant_stuck_busy_s); a switch keeps the clock in force when that
@@ -1836,8 +1837,17 @@ class Controller:
             self._stuck_since_s = None
         elif self._stuck_since_s is None:
             self._stuck_since_s = now_s
-        # Stuck: no trusted clock of this level has met the targets for quant_stuck_s.
-        stuck = self._stuck_since_s is not None and now_s - self._stuck_since_s >= p.quant_stuck_s
+        # Stuck: no trusted clock of this level has met the targets for quant_stuck_s, and
+        # the requests say so too (a queue, or a latency guard within quant_stuck_busy_s).
+        # The model's word alone is not enough: on the real engine fp32 was predicted short
+        # of the TTFT margin at the top clock while its requests met the SLO, and the
+        # escape tried bf16 under load with the full chunk, at seconds per prefill step.
+        troubled = self._waiting_now > 0 or now_s - self._last_guard_s < p.quant_stuck_busy_s
+        stuck = (
+            self._stuck_since_s is not None
+            and now_s - self._stuck_since_s >= p.quant_stuck_s
+            and troubled
+        )
         busy = self._waiting_now > 0 or now_s - self._last_guard_s < p.guard_hold_s
         stuck_for = now_s - self._stuck_since_s if self._stuck_since_s is not None else 0.0
         stuck_long = stuck_for >= max(p.quant_stuck_s, p.quant_stuck_busy_s)

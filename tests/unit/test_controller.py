@@ -775,6 +775,35 @@ def test_after_a_trial_proves_the_table_wrong_no_escape_trials_under_load():
     assert sum(d.reason_code is Reason.INFEASIBLE for d in decisions[-200:]) > 100
 
 
+@dataclass
+class LongPromptPlant(Plant):
+    """Counts 3000 prompt tokens per request, so the controller's model predicts the TTFT
+    of 3000-token prompts, while its requests see their first token as any Plant's do: a
+    model wrong about TTFT."""
+
+    def tick(self, knobs: Knobs | None, **kwargs) -> tuple[Telemetry, EngineStats]:
+        telemetry, stats = super().tick(knobs, **kwargs)
+        return telemetry, dataclasses.replace(
+            stats, prompt_tokens_total=3000 * stats.requests_total
+        )
+
+
+def test_a_level_only_the_model_calls_too_slow_is_not_escaped_from():
+    # The model predicts a TTFT over the SLO at every clock; the requests see their first
+    # token well within it, with no queue and no guard. The model's word alone does not
+    # send the controller to a never-run level (on the real engine such an escape tried
+    # bf16 under load, at seconds per prefill step).
+    ctl = trial_controller(TABLE_INT8_TWICE_AS_FAST)
+    plant = LongPromptPlant(
+        compute_share=0.3, decode_rate_tok_s=40.0, prompt_rate_tok_s=900.0, request_rate_s=0.3
+    )
+    decisions = run(ctl, plant, 120)
+    assert sum(d.reason_code is Reason.INFEASIBLE for d in decisions) > 200
+    assert plant.waiting == 0 and ctl._last_guard_s == -math.inf
+    assert not [d for d in decisions if d.reason_code is Reason.QUANT_EXPLORE]
+    assert all(d.knobs.quant_level == "fp32" for d in decisions)
+
+
 def test_measured_steps_overrule_a_step_model_that_would_cut_the_batch_cap():
     ctl = make_controller()
     plant = Plant(compute_share=0.1, decode_rate_tok_s=300.0, prompt_rate_tok_s=100.0)
