@@ -391,7 +391,6 @@ class Controller:
         self._quant_left_s: dict[str, float] = {}  # when each level was last switched away from
         self._exploring: tuple[str, str] | None = None  # (level tried, level before)
         self._exploring_stuck = False  # the trial began because the level before could not cope
-        self._trial_ok = False  # the trial's steps so far ran within the bound
         # The trial's steps: measured seconds, what the level before would have taken.
         self._trial_started_s = -math.inf
         self._trial_steps = 0
@@ -600,10 +599,25 @@ class Controller:
     def _start_trial(self, tried: str, before: str, stuck: bool, now_s: float) -> None:
         self._exploring = (tried, before)
         self._exploring_stuck = stuck
-        self._trial_ok = False
         self._trial_started_s = now_s
         self._trial_steps = 0
         self._trial_measured_s = self._trial_expected_s = 0.0
+
+    def _trial_evidence(self) -> tuple[bool, bool]:
+        """(enough steps of the trial measured to judge it, those steps slower than
+        quant_trial_slowdown_max x what the level before's model predicts for them)."""
+        p = self.params
+        enough = (
+            self._trial_steps >= p.quant_trial_min_steps
+            and self._trial_measured_s >= p.quant_trial_evidence_s
+        ) or self._trial_measured_s >= 2 * p.quant_trial_evidence_s  # one long step will do
+        slow = self._trial_measured_s > p.quant_trial_slowdown_max * self._trial_expected_s
+        return enough, slow
+
+    def _trial_vouched(self) -> bool:
+        """The trial's steps so far ran within the slowdown bound, enough of them to judge."""
+        enough, slow = self._trial_evidence()
+        return enough and not slow
 
     def _trial_verdict(self, base: Knobs, now_s: float) -> _Choice | None:
         """End a trial early on what its steps measured: much slower than the level before
@@ -613,12 +627,7 @@ class Controller:
         p = self.params
         tried, before = self._exploring
         why = None
-        enough = (
-            self._trial_steps >= p.quant_trial_min_steps
-            and self._trial_measured_s >= p.quant_trial_evidence_s
-        ) or self._trial_measured_s >= 2 * p.quant_trial_evidence_s  # one long step will do
-        slow = self._trial_measured_s > p.quant_trial_slowdown_max * self._trial_expected_s
-        self._trial_ok = enough and not slow
+        enough, slow = self._trial_evidence()
         if enough and not slow and self._probe_chunk_from is not None:
             # The probe's steps ran within the bound: the trial goes on at the full chunk.
             chunk, self._probe_chunk_from = self._probe_chunk_from, None
@@ -805,7 +814,11 @@ class Controller:
         workload = self._workload.current()
         latency = self._latency_guard(telemetry, stats, base, now_s, ceiling, budget_w, workload)
         if latency is not None:
-            if self._exploring is not None and not self._exploring_stuck and not self._trial_ok:
+            if (
+                self._exploring is not None
+                and not self._exploring_stuck
+                and not self._trial_vouched()
+            ):
                 # A calm trial that hurts latency ends at once; a trial begun because the
                 # previous level could not cope is not its fault, and goes on, as does one
                 # whose steps have vouched for it (then the clock is what the guard raises:

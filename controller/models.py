@@ -557,9 +557,10 @@ def predict(
     t_chunk = co.step_s(chunk_tokens, decode_batch, decode_batch * ctx)
     # A step in progress when a request arrives: the unpaced mean step, or a paced batch's.
     t_step = co.step_s(0, decode_batch, decode_batch * ctx) if paced else t
-    # Arrivals queue behind each other's prefill: waiting grows like 1 / (1 - rho).
-    prefill_load = w.request_rate_per_s * chunks * t_chunk
-    mean_ttft_s = (0.5 * t_step + chunks * t_chunk) / max(1.0 - prefill_load, 0.05)
+    # The share of time spent on prompts' chunks (rho). Arrivals queue behind each other's
+    # prefill: waiting grows like 1 / (1 - rho).
+    prefill_share = w.request_rate_per_s * chunks * t_chunk
+    mean_ttft_s = (0.5 * t_step + chunks * t_chunk) / max(1.0 - prefill_share, 0.05)
     mean_tpot_s = period
     out_per_req = w.output_tokens_per_s / w.request_rate_per_s if w.request_rate_per_s > 0 else 0
     concurrency = w.request_rate_per_s * (mean_ttft_s + out_per_req * period)
@@ -567,10 +568,9 @@ def predict(
     if w.prefill_time_share is not None:
         prefill_busy = busy * w.prefill_time_share  # measured: prefill is chunked unevenly
     else:
-        prefill_busy = min(busy, w.request_rate_per_s * chunks * t_chunk)
+        prefill_busy = min(busy, prefill_share)
     if paced and stable:
         # Busy for the steps counted above, idle in between.
-        prefill_share = w.request_rate_per_s * chunks * t_chunk
         step_busy = prefill_share + (1.0 - prefill_share) * min(1.0, t_step / decode_interval_s)
         busy = min(busy, step_busy)
         prefill_busy = min(busy, prefill_share)

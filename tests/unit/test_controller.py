@@ -732,9 +732,9 @@ def _guard_during_a_trial(vouched: bool) -> tuple[Controller, Decision]:
     for _ in range(int(240 / TICK_S)):
         telemetry, stats = plant.tick(knobs)
         knobs = ctl.observe(telemetry, stats, plant.t_s).knobs
-        if ctl._exploring is not None and (ctl._trial_ok or not vouched):
+        if ctl._exploring is not None and (ctl._trial_vouched() or not vouched):
             break
-    assert ctl._exploring == ("int8", "fp32") and ctl._trial_ok == vouched
+    assert ctl._exploring == ("int8", "fp32") and ctl._trial_vouched() == vouched
     telemetry, stats = plant.tick(knobs)
     stats = dataclasses.replace(stats, ttft_s=(3.0,))  # SLO 2 s
     ctl._last_guard_s = -math.inf
