@@ -733,6 +733,7 @@ class Controlled(System):
         inline: bool,
         name: str = "controller",
         decode_interval_max_ms: float = 1000.0,
+        speeds: dict[str, dict[str, float]] | None = None,
     ) -> None:
         from controller.controller import Controller
         from controller.policy import Knobs, QuantOption
@@ -743,13 +744,21 @@ class Controlled(System):
         self.name = name
         telemetry = device.read()
         limits = engine.limits
-        # What bench quant's table gives the daemon: quality, weight bytes, batch-16 speed.
+
+        # What bench quant's table gives the daemon: quality, weight bytes, batch-16 decode
+        # and prefill speed (`speeds`, measured on this machine, or the calibration's).
+        def speed(lv: str) -> tuple[float, float]:
+            if speeds:
+                return speeds[lv]["decode_tok_s_bs16"], speeds[lv]["prefill_tok_s"]
+            fit = cal.levels[lv]
+            return 16 / fit.step_s(0, 16, 16 * 200), 256 / fit.step_s(256, 0, 256)
+
         options = tuple(
             QuantOption(
                 lv,
                 cal.levels[lv].ppl_increase_pct,
                 cal.levels[lv].weight_bytes,
-                16 / cal.levels[lv].step_s(0, 16, 16 * 200),
+                *speed(lv),
             )
             for lv in levels
         )
@@ -892,7 +901,19 @@ def run_model(
             device.close(restore=False)
 
 
-def _make_system(name: str, engine, device, clock, policy: Policy, cal, levels, inline: bool):
+def _make_system(
+    name: str,
+    engine,
+    device,
+    clock,
+    policy: Policy,
+    cal,
+    levels,
+    inline: bool,
+    speeds: dict[str, dict[str, float]] | None = None,
+):
+    """speeds: the controller's table of batch-16 decode tok/s per level (None: the
+    calibration's)."""
     budget = policy.power_budget_w
     if name == "max_clock":
         return MaxClock(engine, device, clock)
@@ -901,10 +922,18 @@ def _make_system(name: str, engine, device, clock, policy: Policy, cal, levels, 
     if name == "pid_power":
         return PidOnPower(engine, device, clock, budget, device.read().sm_clock_ladder_mhz)
     if name == "controller":
-        return Controlled(engine, device, clock, policy, cal, levels, inline=inline)
+        return Controlled(engine, device, clock, policy, cal, levels, inline=inline, speeds=speeds)
     if name == "controller_fixed_quant":
         return Controlled(
-            engine, device, clock, policy, cal, (engine.quant_level,), inline=inline, name=name
+            engine,
+            device,
+            clock,
+            policy,
+            cal,
+            (engine.quant_level,),
+            inline=inline,
+            name=name,
+            speeds=speeds,
         )
     if name == "controller_unpaced":
         return Controlled(
@@ -917,6 +946,7 @@ def _make_system(name: str, engine, device, clock, policy: Policy, cal, levels, 
             inline=inline,
             name=name,
             decode_interval_max_ms=0.0,
+            speeds=speeds,
         )
     if name.startswith("fixed:"):
         # fixed:<level>:<MHz>[:<decode-only MHz>:<decode interval ms>]
@@ -1070,6 +1100,52 @@ def measure_capacity(
                 done0 = len(engine.finished)
         device.close(restore=False)
     return (len(engine.finished) - (done0 or 0)) / (seconds - warm)
+
+
+def measure_level_speeds_real(loaded: Any, levels: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """Each level's speed on the real engine here and now, as bench quant's table gives it
+    to the daemon on the machine it runs on: decode tok/s at batch 16
+    (bench.quant.measure_speed: one interleaved round, 16 prompts of 64 tokens, 32 new
+    tokens each) and prefill tok/s (one 256-token prompt per level, best of two
+    interleaved rounds). The calibration's speeds may come from another machine: on a CPU
+    without bf16 instructions bf16 decodes slower than fp32 and bf16 and int8 prefill
+    several times slower, where a table from a machine with them ranks both ahead."""
+    from bench.engine import corpus_token_ids
+    from bench.quant import DecodeTimer, measure_speed
+    from daemon.engine.engine import Engine, EngineOptions
+    from daemon.engine.request import SamplingParams
+
+    engine = Engine(
+        loaded,
+        EngineOptions(
+            kv_cache_bytes=1 << 29,
+            max_num_seqs=64,
+            max_num_batched_tokens=512,
+            quantization_levels=levels,
+            quantization_level=levels[0],
+        ),
+    )
+    timer = DecodeTimer()
+    engine.add_step_hook(timer)
+    ids = corpus_token_ids(engine.tokenizer, 2048)
+    prompts = [ids[i * 64 : (i + 1) * 64] for i in range(16)]
+    decode = measure_speed(engine, timer, levels, prompts, 32, 1)
+    prefill = dict.fromkeys(levels, 0.0)
+    prompt = ids[1024:1280]
+    for _ in range(2):
+        for lv in levels:
+            engine.set_quant_level(lv)
+            engine.generate([prompt[:8]], SamplingParams(max_tokens=1, temperature=0.0))
+            t0 = time.perf_counter()
+            engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+            prefill[lv] = max(prefill[lv], len(prompt) / (time.perf_counter() - t0))
+    out = {}
+    for lv in levels:
+        row = {"decode_tok_s_bs16": decode[lv]["decode_tok_s_bs16"], "prefill_tok_s": prefill[lv]}
+        if not all(math.isfinite(v) and v > 0 for v in row.values()):
+            raise RuntimeError(f"no speed measured for {lv}: {row}")
+        out[lv] = row
+    return out
 
 
 def measure_capacity_real(loaded: Any, level: str, mix: RequestMix, seconds: float) -> float:
@@ -1384,9 +1460,10 @@ def run_real(
     start_level: str,
     cal: Calibration,
     loaded: Any,
+    speeds: dict[str, dict[str, float]] | None = None,
 ) -> RunResult:
     """One scenario with one system on the real engine (a fresh one over the loaded
-    weights), in wall time."""
+    weights), in wall time; speeds: the controller's speed table (measure_level_speeds_real)."""
     from bench.engine import corpus_token_ids
     from daemon.config import DeviceConfig
     from daemon.coupling import device_step_hook
@@ -1417,7 +1494,15 @@ def run_real(
             )
         )
         system = _make_system(
-            system_name, engine, device, time.monotonic, policy, cal, levels, inline=False
+            system_name,
+            engine,
+            device,
+            time.monotonic,
+            policy,
+            cal,
+            levels,
+            inline=False,
+            speeds=speeds,
         )
         engine.add_step_hook(device_step_hook(engine, device))
         engine.add_step_hook(system.on_step)
@@ -1617,6 +1702,7 @@ def main(argv: list[str] | None = None) -> int:
         max_ppl_increase_pct=args.max_ppl_increase_pct,
     )
     loaded = None
+    speeds: dict[str, dict[str, float]] | None = None
     if args.engine == "real":
         import torch
 
@@ -1633,6 +1719,17 @@ def main(argv: list[str] | None = None) -> int:
             capacity = args.capacity_req_s
         else:
             capacity = measure_capacity_real(loaded, start, mix, args.capacity_s)
+        # The controller's speed table from this machine, as the daemon's comes from bench
+        # quant run where it serves.
+        speeds = measure_level_speeds_real(loaded, tuple(dict.fromkeys((start, *levels))))
+        print(
+            "speed table, measured here (tok/s; decode at batch 16 / prefill): "
+            + ", ".join(
+                f"{lv} {v['decode_tok_s_bs16']:.1f} / {v['prefill_tok_s']:.0f}"
+                for lv, v in speeds.items()
+            ),
+            flush=True,
+        )
     else:
         capacity = measure_capacity(cal, start, mix)
     duration = args.duration_s or (300.0 if args.engine == "model" else 60.0)
@@ -1670,7 +1767,9 @@ def main(argv: list[str] | None = None) -> int:
             elif args.engine == "model":
                 res = run_model(sc, sys_name, cal, capacity, mix, policy, levels, start)
             else:
-                res = run_real(sc, sys_name, capacity, mix, policy, levels, start, cal, loaded)
+                res = run_real(
+                    sc, sys_name, capacity, mix, policy, levels, start, cal, loaded, speeds
+                )
             summary = summarize(res, policy, sc)
             table.setdefault(name, {})[sys_name] = summary
             results.append(res)
@@ -1702,13 +1801,19 @@ def main(argv: list[str] | None = None) -> int:
         path = args.out / f"control-{args.engine}-summary.png"
         plot_summary(table, path, f"{args.engine} engine, virtual H200: J/token and SLO attainment")
         print(f"wrote {path}", flush=True)
-    line = _headline(table, args, cal, capacity, duration, levels)
+    line = _headline(table, args, cal, capacity, duration, levels, speeds)
     print(json.dumps(line))
     return 0
 
 
 def _headline(
-    table: dict, args, cal: Calibration, capacity: float, duration: float, levels
+    table: dict,
+    args,
+    cal: Calibration,
+    capacity: float,
+    duration: float,
+    levels,
+    speeds: dict[str, dict[str, float]] | None,
 ) -> dict:
     line: dict[str, Any] = {}
     s60 = table.get("steady60", {})
@@ -1745,6 +1850,11 @@ def _headline(
             "ttft_slo_ms": args.ttft_slo_ms,
             "tpot_slo_ms": args.tpot_slo_ms,
             "levels": list(levels),
+            "speed_table_tok_s": (
+                {lv: {k: round(x, 1) for k, x in v.items()} for lv, v in speeds.items()}
+                if speeds
+                else "calibration"
+            ),
             "dtype": cal.dtype,
             "threads": cal.threads,
             "model": cal.model,

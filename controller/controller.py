@@ -1982,6 +1982,12 @@ class Controller:
             if retry or not unexplored:
                 unexplored = retry
                 what = f"not measured at batches of {self._running_now} yet"
+        # A level whose prefill the table measured slower than the level in force's beyond
+        # the trial's slowdown bound is not tried: each of its prefill steps would hold the
+        # requests behind it longer than a trial tolerates, before any verdict can come (on
+        # a CPU without bf16 instructions, bf16 and int8 prefill ran about 6x slower than
+        # fp32's, and a 32-token probe step of int8 took seconds).
+        unexplored = [lv for lv in unexplored if not self._prefill_slower(lv, level)]
         # A level the table ranks no faster than one measured slower here is not tried: the
         # table's error is the machine's (on a CPU without bf16 or int8 instructions, their
         # trials measured them 1.5-4x slower than fp32), and each trial costs latency until
@@ -2045,6 +2051,14 @@ class Controller:
                 + note,
             )
         return None
+
+    def _prefill_slower(self, level: str, than: str) -> bool:
+        """Whether the table's prefill speed of `level` is below `than`'s by more than
+        quant_trial_slowdown_max (False where either is not in the table)."""
+        mine, theirs = self._levels.get(level), self._levels.get(than)
+        if mine is None or theirs is None or not mine.prefill_tok_s or not theirs.prefill_tok_s:
+            return False
+        return theirs.prefill_tok_s > self.params.quant_trial_slowdown_max * mine.prefill_tok_s
 
     # ---- constraints and bookkeeping ----------------------------------------
 

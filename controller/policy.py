@@ -143,14 +143,17 @@ class QuantOption:
     ppl_increase_pct: perplexity increase over the full-precision level (bench quant's
     table); None when not measured. weight_bytes: the level's matmul weight bytes (0 when
     unknown). decode_tok_s: measured decode throughput at batch 16 (bench quant's
-    decode_tok_s_bs16; None when unknown). The last two only order the levels the
-    controller tries first; what it keeps is decided from its own measurements.
+    decode_tok_s_bs16; None when unknown). prefill_tok_s: measured prefill throughput
+    (bench quant's prefill_tok_s; None when unknown). The last three only order the levels
+    the controller tries first, and keep it from trying one whose prefill the table
+    measured much slower; what it keeps is decided from its own measurements.
     """
 
     level: str
     ppl_increase_pct: float | None = None
     weight_bytes: int = 0
     decode_tok_s: float | None = None
+    prefill_tok_s: float | None = None
 
 
 def allowed_quant_levels(

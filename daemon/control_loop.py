@@ -13,6 +13,7 @@ It must not decide anything itself: every choice is the controller's.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -157,16 +158,23 @@ def quant_options(
     for level in levels:
         row = rows.get(level, {})
         pct = row.get("ppl_increase_pct")
-        speed = row.get("decode_tok_s_bs16")
         out.append(
             QuantOption(
                 level,
                 float(pct) if isinstance(pct, (int, float)) else None,
                 (weight_bytes or {}).get(level, 0),
-                float(speed) if isinstance(speed, (int, float)) and speed > 0 else None,
+                _speed(row.get("decode_tok_s_bs16")),
+                _speed(row.get("prefill_tok_s")),
             )
         )
     return tuple(out)
+
+
+def _speed(value: object) -> float | None:
+    """A table's tok/s figure, or None where it is missing or not a positive number."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value) if math.isfinite(value) else None
+    return None
 
 
 def _start_thread(fn: Callable[[], None]) -> None:

@@ -721,6 +721,26 @@ def test_a_trial_level_measured_much_slower_than_its_table_says_is_left_at_once(
     assert all(d.knobs.quant_level == "fp32" for d in after)
 
 
+@pytest.mark.parametrize("int8_prefill_tok_s", [None, 2000.0, 300.0])
+def test_a_level_whose_table_prefill_is_much_slower_is_not_tried(int8_prefill_tok_s):
+    # The table has int8 decoding twice as fast as fp32; its prefill figure decides: not
+    # in the table, or as fast: tried at the calm moment. Measured at a sixth of fp32's
+    # (bf16 and int8 here, on a CPU without bf16 instructions): never tried, since each
+    # of its prefill steps would hold the requests behind it for seconds.
+    table = (
+        QuantOption("fp32", 0.0, 4, decode_tok_s=300.0, prefill_tok_s=1800.0),
+        QuantOption("int8", 0.5, 1, decode_tok_s=600.0, prefill_tok_s=int8_prefill_tok_s),
+    )
+    ctl = trial_controller(table)
+    decisions = run(ctl, calm_plant({"fp32": 1.0, "int8": 1.0}), 120)
+    tried = [d for d in decisions if d.reason_code is Reason.QUANT_EXPLORE]
+    if int8_prefill_tok_s == 300.0:
+        assert not tried and all(d.knobs.quant_level == "fp32" for d in decisions)
+        assert decisions[-1].state is ControllerState.TRACKING  # it ran, and chose fp32
+    else:
+        assert tried and tried[0].knobs.quant_level == "int8"
+
+
 def _guard_during_a_trial(vouched: bool) -> tuple[Controller, Decision]:
     """A calm trial of int8 (the table's faster level) on a plant where it runs as fast as
     fp32; one request misses its TTFT SLO (a latency guard) at the trial's first

@@ -261,6 +261,11 @@ def test_policy_and_quant_options_from_config_and_quality_table(tmp_path, monkey
         ("int8", 0.7, 10),
         ("int4", None, 0),
     ]
+    # Its speeds, where the table has them as positive numbers.
+    table["levels"]["fp32"] |= {"decode_tok_s_bs16": 147.7, "prefill_tok_s": 430}
+    table["levels"]["int8"] |= {"decode_tok_s_bs16": float("nan"), "prefill_tok_s": -1}
+    opts = quant_options(("fp32", "int8"), table)
+    assert [(o.decode_tok_s, o.prefill_tok_s) for o in opts] == [(147.7, 430.0), (None, None)]
 
 
 def test_thread_ticks_until_stopped():
