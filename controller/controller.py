@@ -13,8 +13,6 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from dataclasses import dataclass, field
-from enum import StrEnum
 
 from controller.models import (
     Ewma,
@@ -29,6 +27,7 @@ from controller.models import (
     predict,
 )
 from controller.policy import ControlMode, Knobs, Objective, Policy, allowed_quant_levels
+from controller.quant_timescale import QuantTimescale
 from controller.signals import (
     DeviceConstraints,
     EngineConstraints,
@@ -36,268 +35,28 @@ from controller.signals import (
     StepRecord,
     Telemetry,
 )
+from controller.state import (
+    Choice,
+    ControllerCounters,
+    ControllerParams,
+    ControllerState,
+    Decision,
+    Reason,
+)
+
+__all__ = [
+    "Controller",
+    "ControllerCounters",
+    "ControllerParams",
+    "ControllerState",
+    "Decision",
+    "Reason",
+    "candidate_clocks",
+]
 
 # The percentile of measured-over-modelled prefill power the peak prediction uses (a few
 # 100 ms readings per second: p90 of the last hundred, not their maximum).
 PEAK_PERCENTILE = 90.0
-
-
-class ControllerState(StrEnum):
-    """Where the controller is. Transitions (checked in this order every observation):
-
-    any      -- telemetry stale or missing ------------------------> HOLD
-    HOLD     -- still stale after stale_hold_s ---------------------> FALLBACK
-    HOLD/FALLBACK -- fresh telemetry --------------------------------> (re-evaluated below)
-    any      -- mode manual ------------------------------------------> MANUAL
-    any      -- measured power over the (derated) budget -------------> GUARD_POWER
-    any      -- waiting queue grows / measured SLO miss (auto, observe) -> GUARD_LATENCY
-    any      -- nothing running or waiting for idle_after_s ----------> IDLE
-    any      -- too few samples for the models at this level ---------> LEARNING
-    otherwise ---------------------------------------------------------> TRACKING
-    """
-
-    LEARNING = "learning"
-    TRACKING = "tracking"
-    IDLE = "idle"
-    GUARD_LATENCY = "guard_latency"
-    GUARD_POWER = "guard_power"
-    HOLD = "hold"
-    FALLBACK = "fallback"
-    MANUAL = "manual"
-
-
-class Reason(StrEnum):
-    """Why a decision is what it is; each one is counted."""
-
-    LEARNING = "learning"
-    OPTIMIZE = "optimize"
-    STEADY = "steady"
-    INFEASIBLE = "infeasible"
-    IDLE = "idle"
-    QUEUE_GROWTH = "guard_queue_growth"
-    SLO_MISS = "guard_slo_miss"
-    OVER_BUDGET = "guard_over_budget"
-    STALE_HOLD = "stale_hold"
-    STALE_FALLBACK = "stale_fallback"
-    MANUAL = "manual"
-    QUANT_SWITCH = "quant_switch"
-    QUANT_EXPLORE = "quant_explore"
-    QUANT_FORBIDDEN = "quant_forbidden"
-
-
-@dataclass(frozen=True)
-class ControllerParams:
-    """Tuning of the controller; defaults suit a GPU with a 100 ms telemetry period.
-
-    Timescales: the clock may change every clock_min_interval_s (down: also only descend_hold_s
-    after a move up, for a clock_gain_min_pct gain, and while the level's model has fewer than
-    descend_evidence_steps steps, below the clocks it has seen only after a first token at the
-    clock in force), the batch caps every batch_period_s (the chunk at most every
-    chunk_period_s, growing only within chunk_grow_margin of its bound), the quantization level
-    after quant_dwell_s for a predicted gain of quant_gain_min_pct (a never-run level is tried
-    for quant_explore_dwell_s; a level that cannot cope for quant_stuck_s is left sooner); a
-    level's model is trusted up to batch_trust_factor x the largest decode batch it has been
-    fitted around (at least batch_trust_min), and a switch needs that trust at the largest batch
-    of the last quant_peak_window_s; nothing switches while a queue is served or a guard holds,
-    unless the level has not coped for quant_stuck_busy_s. A trial is judged on its measured
-    steps as they come: once quant_trial_min_steps steps and quant_trial_evidence_s of them have
-    run, a level whose steps took more than quant_trial_slowdown_max x what the level before
-    would have taken (its model, at the clocks they ran) is left at once, and not tried again
-    for quant_slow_retry_s; a trial still learning after quant_trial_max_s ends too (bench
-    quant's speed table may come from another machine). A calm trial's first steps run with
-    1/quant_trial_probe_fraction of the chunk; a never-run level the table ranks slower than the
-    level in force is not tried calmly once batches of quant_table_batch_min run (the table's
-    speed is a batch-16 figure), and a level in force that the table ranks slower than one
-    already run here is left for that one there. Decode pacing: the interval is 0 or one of
-    pace_fractions x the TPOT SLO (within the engine's longest); a shorter one is weighed with
-    the clocks every observation, a longer one at most every pace_period_s, once the level's
-    model has descend_evidence_steps steps, and never through a trial. A prefill chunk's step at
-    the clock in force stays within chunk_step_slo_factor x the TPOT SLO and
-    chunk_step_ttft_factor x the TTFT SLO. Margins: predictions must meet slo_margin x SLO (x
-    descend_margin for a lower clock) and power_margin x budget; the board power limit is set to
-    power_limit_margin x budget; a reading within power_noise_tolerance over the budget is
-    noise. Guards: a latency guard raises the clock by guard_clock_steps candidates, or to the
-    lowest clock predicted to prefill the waiting queue within slo_margin x the TTFT SLO (at
-    most every guard_cooldown_s), and holds that floor for guard_hold_s; a power guard lowers
-    the clock at once and holds that ceiling for power_hold_s (anti-windup; doubled up to
-    power_hold_max_s when it fires again soon, and for power_hold_max_s after it fires the board
-    limit is not trusted to hold the budget), released once power is under power_release_margin
-    x budget. Thermal: the budget is derated linearly from 1 at thermal_derate_start_c of margin
-    to thermal_derate_min at thermal_derate_full_c. Stale telemetry: hold for stale_hold_s, then
-    the fallback knobs. Learning: learning_min_steps steps and learning_min_power_samples
-    readings before the models are used; a clock counts as seen after trust_min_samples steps,
-    and trust reaches trust_clock_steps beyond.
-    """
-
-    batch_period_s: float = 2.0
-    quant_dwell_s: float = 30.0
-    quant_explore_dwell_s: float = 10.0
-    quant_gain_min_pct: float = 10.0
-    quant_stuck_s: float = 3.0
-    clock_gain_min_pct: float = 3.0
-    clock_min_interval_s: float = 1.0
-    clock_candidates: int = 12
-    descend_margin: float = 0.9
-    descend_hold_s: float = 5.0
-    descend_evidence_steps: int = 300
-    chunk_step_slo_factor: float = 2.5
-    chunk_step_ttft_factor: float = 0.3
-    chunk_grow_margin: float = 0.75
-    chunk_period_s: float = 10.0
-    slo_margin: float = 0.85
-    power_margin: float = 0.95
-    power_limit_margin: float = 0.98
-    guard_clock_steps: int = 3
-    guard_cooldown_s: float = 1.0
-    guard_hold_s: float = 10.0
-    power_hold_s: float = 5.0
-    power_hold_max_s: float = 60.0
-    power_release_margin: float = 0.9
-    power_noise_tolerance: float = 0.02
-    queue_growth_ticks: int = 3
-    thermal_derate_start_c: float = 6.0
-    thermal_derate_full_c: float = 0.0
-    thermal_derate_min: float = 0.6
-    stale_hold_s: float = 2.0
-    fallback_sm_clock_mhz: int | None = None
-    fallback_max_num_seqs: int | None = None
-    idle_after_s: float = 0.5
-    learning_min_steps: int = 30
-    learning_min_power_samples: int = 8
-    trust_clock_steps: int = 2
-    trust_min_samples: int = 10
-    batch_trust_factor: float = 1.5
-    batch_trust_min: int = 4
-    quant_peak_window_s: float = 120.0
-    quant_stuck_busy_s: float = 20.0
-    quant_trial_slowdown_max: float = 1.25
-    quant_trial_evidence_s: float = 1.0
-    quant_trial_min_steps: int = 2
-    quant_trial_max_s: float = 30.0
-    quant_trial_probe_fraction: int = 8
-    quant_slow_retry_s: float = 600.0
-    quant_table_batch_min: int = 8
-    pace_period_s: float = 5.0
-    pace_fractions: tuple[float, ...] = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
-
-    def __post_init__(self) -> None:
-        for name in (
-            "batch_period_s",
-            "quant_dwell_s",
-            "quant_explore_dwell_s",
-            "clock_min_interval_s",
-            "slo_margin",
-            "power_margin",
-            "power_limit_margin",
-            "stale_hold_s",
-            "power_release_margin",
-            "chunk_step_ttft_factor",
-            "batch_trust_factor",
-            "quant_peak_window_s",
-        ):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"ControllerParams.{name} must be > 0")
-        for name in ("slo_margin", "power_margin", "power_limit_margin", "power_release_margin"):
-            if getattr(self, name) > 1:
-                raise ValueError(f"ControllerParams.{name} must be <= 1")
-        if not 0 < self.thermal_derate_min <= 1:
-            raise ValueError("ControllerParams.thermal_derate_min must be in (0, 1]")
-        if self.thermal_derate_full_c >= self.thermal_derate_start_c:
-            raise ValueError("ControllerParams: thermal_derate_full_c must be < _start_c")
-        if self.clock_candidates < 2 or self.guard_clock_steps < 1:
-            raise ValueError("ControllerParams: clock_candidates >= 2, guard_clock_steps >= 1")
-        if not 0 < self.chunk_grow_margin <= 1:
-            raise ValueError("ControllerParams.chunk_grow_margin must be in (0, 1]")
-        if self.quant_trial_probe_fraction < 1 or self.quant_trial_slowdown_max < 1:
-            raise ValueError(
-                "ControllerParams: quant_trial_probe_fraction >= 1, quant_trial_slowdown_max >= 1"
-            )
-        if self.power_hold_max_s < self.power_hold_s:
-            raise ValueError("ControllerParams.power_hold_max_s must be >= power_hold_s")
-        if not self.pace_period_s > 0 or not all(0 < f <= 1 for f in self.pace_fractions):
-            raise ValueError("ControllerParams: pace_period_s > 0, pace_fractions each in (0, 1]")
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One observation's outcome: the complete knob setting and why.
-
-    apply: False in observe mode (advice only: nothing may be applied). changed: knobs that
-    differ from the previous decision. effective_budget_w: the budget after thermal
-    derating. prediction: the model's view of the chosen configuration, when it has one.
-    """
-
-    at_s: float
-    seq: int
-    state: ControllerState
-    mode: ControlMode
-    knobs: Knobs
-    changed: tuple[str, ...]
-    apply: bool
-    reason_code: Reason
-    reason: str
-    effective_budget_w: float
-    prediction: Prediction | None = None
-
-    def to_dict(self) -> dict:
-        """JSON-ready form (events, /v1/status)."""
-        k = self.knobs
-        out = {
-            "at_s": self.at_s,
-            "seq": self.seq,
-            "state": self.state.value,
-            "mode": self.mode.value,
-            "apply": self.apply,
-            "reason_code": self.reason_code.value,
-            "reason": self.reason,
-            "changed": list(self.changed),
-            "effective_budget_w": round(self.effective_budget_w, 2),
-            "knobs": {
-                "max_num_seqs": k.max_num_seqs,
-                "max_num_batched_tokens": k.max_num_batched_tokens,
-                "quant_level": k.quant_level,
-                "sm_clock_mhz": k.sm_clock_mhz,
-                "power_limit_w": k.power_limit_w,
-                "decode_interval_ms": k.decode_interval_ms,
-            },
-            "prediction": None,
-        }
-        p = self.prediction
-        if p is not None and math.isfinite(p.j_per_token):
-            out["prediction"] = {
-                "j_per_token": round(p.j_per_token, 5),
-                "ttft_ms": round(p.ttft_ms, 1),
-                "tpot_ms": round(p.tpot_ms, 1),
-                "power_w": round(p.power_w, 1),
-                "peak_power_w": round(p.peak_power_w, 1),
-            }
-        return out
-
-
-@dataclass
-class ControllerCounters:
-    """Counts since start: decisions by reason code, knob changes by knob, state
-    transitions as 'from->to'."""
-
-    decisions: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in Reason})
-    knob_changes: dict[str, int] = field(default_factory=dict)
-    transitions: dict[str, int] = field(default_factory=dict)
-
-    def snapshot(self) -> dict:
-        return {
-            "decisions": dict(self.decisions),
-            "knob_changes": dict(self.knob_changes),
-            "transitions": dict(self.transitions),
-        }
-
-
-@dataclass
-class _Choice:
-    state: ControllerState
-    knobs: Knobs
-    code: Reason
-    reason: str
-    prediction: Prediction | None = None
 
 
 def candidate_clocks(ladder: tuple[int, ...], count: int) -> tuple[int, ...]:
@@ -308,7 +67,7 @@ def candidate_clocks(ladder: tuple[int, ...], count: int) -> tuple[int, ...]:
     return tuple(sorted({ladder[round(i * step)] for i in range(count)}))
 
 
-class Controller:
+class Controller(QuantTimescale):
     """Decides the knobs from observations, on separate timescales.
 
     NOTE: predict, then guard. Every observation first feeds the models: each engine step
@@ -385,19 +144,7 @@ class Controller:
         self._last_batch_s = -math.inf
         self._last_pace_s = -math.inf
         self._last_chunk_change_s = -math.inf
-        self._last_quant_switch_s: float | None = None
-        self._explored: set[str] = set()
-        self._retried_s: dict[str, float] = {}  # when a known level was last tried again
-        self._quant_left_s: dict[str, float] = {}  # when each level was last switched away from
-        self._exploring: tuple[str, str] | None = None  # (level tried, level before)
-        self._exploring_stuck = False  # the trial began because the level before could not cope
-        # The trial's steps: measured seconds, what the level before would have taken.
-        self._trial_started_s = -math.inf
-        self._trial_steps = 0
-        self._trial_measured_s = 0.0
-        self._trial_expected_s = 0.0
-        self._probe_chunk_from: int | None = None  # the chunk before a trial's probe
-        self._slow_here_s: dict[str, float] = {}  # levels whose trial measured them slower
+        self._init_quant_state()
         # guards
         self._waiting_hist: deque[int] = deque(maxlen=max(2, self.params.queue_growth_ticks + 1))
         self._last_guard_s = -math.inf
@@ -578,94 +325,6 @@ class Controller:
                 self._peak_ratio.add(now_s, telemetry.power_w, model_peak)
             self._last_telemetry = telemetry
 
-    def _judge_trial_step(self, step: StepRecord, clock_mhz: int) -> None:
-        """During a trial, add a step of the level tried and what the level before's model
-        predicts for the same step at the same clock."""
-        if self._exploring is None:
-            return
-        tried, before = self._exploring
-        model = self._step_models.get(before)
-        if step.quant_level != tried or model is None:
-            return
-        if model.samples < self.params.learning_min_steps:
-            return
-        expected = model.coefficients(clock_mhz).step_s(
-            step.prefill_tokens, step.decode_tokens, step.context_tokens
-        )
-        self._trial_steps += 1
-        self._trial_measured_s += step.duration_s
-        self._trial_expected_s += expected
-
-    def _start_trial(self, tried: str, before: str, stuck: bool, now_s: float) -> None:
-        self._exploring = (tried, before)
-        self._exploring_stuck = stuck
-        self._trial_started_s = now_s
-        self._trial_steps = 0
-        self._trial_measured_s = self._trial_expected_s = 0.0
-
-    def _trial_evidence(self) -> tuple[bool, bool]:
-        """(enough steps of the trial measured to judge it, those steps slower than
-        quant_trial_slowdown_max x what the level before's model predicts for them)."""
-        p = self.params
-        enough = (
-            self._trial_steps >= p.quant_trial_min_steps
-            and self._trial_measured_s >= p.quant_trial_evidence_s
-        ) or self._trial_measured_s >= 2 * p.quant_trial_evidence_s  # one long step will do
-        slow = self._trial_measured_s > p.quant_trial_slowdown_max * self._trial_expected_s
-        return enough, slow
-
-    def _trial_vouched(self) -> bool:
-        """The trial's steps so far ran within the slowdown bound, enough of them to judge."""
-        enough, slow = self._trial_evidence()
-        return enough and not slow
-
-    def _trial_verdict(self, base: Knobs, now_s: float) -> _Choice | None:
-        """End a trial early on what its steps measured: much slower than the level before
-        would have been, or still learning long after its dwell. Back to the level before."""
-        if self._exploring is None:
-            return None
-        p = self.params
-        tried, before = self._exploring
-        why = None
-        enough, slow = self._trial_evidence()
-        if enough and not slow and self._probe_chunk_from is not None:
-            # The probe's steps ran within the bound: the trial goes on at the full chunk.
-            chunk, self._probe_chunk_from = self._probe_chunk_from, None
-            return _Choice(
-                ControllerState.TRACKING,
-                base.with_changes(max_num_batched_tokens=chunk),
-                Reason.OPTIMIZE,
-                f"trial of {tried}: its first {self._trial_steps} steps within "
-                f"{p.quant_trial_slowdown_max:g}x {before}'s model; chunk "
-                f"{base.max_num_batched_tokens} -> {chunk}",
-            )
-        if enough and slow:
-            ratio = self._trial_measured_s / max(self._trial_expected_s, 1e-9)
-            why = (
-                f"its {self._trial_steps} steps took {ratio:.1f}x what {before}'s model "
-                "predicts for them"
-            )
-            self._slow_here_s[tried] = now_s
-        elif (
-            now_s - self._trial_started_s >= p.quant_trial_max_s
-            and self._step_model(tried).samples < p.learning_min_steps
-        ):
-            why = (
-                f"only {self._step_model(tried).samples} steps in "
-                f"{now_s - self._trial_started_s:.0f} s"
-            )
-        if why is None:
-            return None
-        self._exploring = None
-        self._last_quant_switch_s = now_s
-        self._quant_left_s[tried] = now_s
-        return _Choice(  # _finish restores a chunk the trial's probe cut
-            ControllerState.TRACKING,
-            base.with_changes(quant_level=before),
-            Reason.QUANT_SWITCH,
-            f"quantization {tried} -> {before}: trial of {tried} aborted, {why}",
-        )
-
     def _clock_now(self, telemetry: Telemetry | None) -> int | None:
         if telemetry is not None and telemetry.sm_clock_mhz:
             return telemetry.sm_clock_mhz
@@ -735,7 +394,7 @@ class Controller:
 
     def _choose(
         self, telemetry: Telemetry | None, stats: EngineStats, now_s: float, budget_w: float
-    ) -> _Choice:
+    ) -> Choice:
         p = self.params
         policy = self._policy
         current = self._current_knobs(telemetry, stats)
@@ -745,14 +404,14 @@ class Controller:
                 self._stale_since_s = now_s
             stale_for = now_s - self._stale_since_s
             if stale_for < p.stale_hold_s:
-                return _Choice(
+                return Choice(
                     ControllerState.HOLD,
                     self._last_safe,
                     Reason.STALE_HOLD,
                     f"telemetry {'missing' if telemetry is None else 'stale'} for "
                     f"{stale_for:.1f} s: holding the last safe configuration",
                 )
-            return _Choice(
+            return Choice(
                 ControllerState.FALLBACK,
                 self._fallback_knobs(current, budget_w),
                 Reason.STALE_FALLBACK,
@@ -775,7 +434,7 @@ class Controller:
                 and (manual.sm_clock_mhz or self.device.sm_clock_max_mhz) > ceiling
             ):
                 manual = manual.with_changes(sm_clock_mhz=ceiling)
-            return _Choice(
+            return Choice(
                 ControllerState.MANUAL,
                 manual,
                 Reason.MANUAL,
@@ -797,7 +456,7 @@ class Controller:
         level = base.quant_level or self.engine.full_precision_level
         if level not in allowed:
             target = self._best_allowed_level(allowed, level)
-            return _Choice(
+            return Choice(
                 self.state if self.state != ControllerState.IDLE else ControllerState.TRACKING,
                 base.with_changes(quant_level=target),
                 Reason.QUANT_FORBIDDEN,
@@ -871,7 +530,7 @@ class Controller:
             if trained and power_model.samples >= p.learning_min_power_samples:
                 top = min(top, base.sm_clock_mhz or top)
             knobs = base.with_changes(sm_clock_mhz=top, decode_interval_ms=0.0)
-            return _Choice(
+            return Choice(
                 ControllerState.LEARNING,
                 knobs,
                 Reason.LEARNING,
@@ -902,7 +561,7 @@ class Controller:
 
     def _power_guard(
         self, telemetry: Telemetry, knobs: Knobs, now_s: float, budget_w: float, power_w: float
-    ) -> _Choice | None:
+    ) -> Choice | None:
         # One noisy short-window reading just over is not a violation; a sustained one, or
         # one clearly over, is.
         avg = telemetry.power_avg_w if telemetry.power_avg_w is not None else power_w
@@ -941,7 +600,7 @@ class Controller:
         self._ceiling_mhz = target
         self._ceiling_until_s = now_s + self._power_hold_s
         self._floor_mhz = None  # power wins over latency
-        return _Choice(
+        return Choice(
             ControllerState.GUARD_POWER,
             knobs.with_changes(sm_clock_mhz=target),
             Reason.OVER_BUDGET,
@@ -999,7 +658,7 @@ class Controller:
         ceiling: int | None,
         budget_w: float,
         workload: Workload,
-    ) -> _Choice | None:
+    ) -> Choice | None:
         p = self.params
         policy = self._policy
         hist = list(self._waiting_hist)
@@ -1097,7 +756,7 @@ class Controller:
             if tpot_miss:
                 parts.append(f"TPOT {max(tpot_miss) * 1000:.0f} ms > {policy.tpot_slo_ms:g} ms")
             what = "measured " + ", ".join(parts)
-        return _Choice(
+        return Choice(
             ControllerState.GUARD_LATENCY,
             knobs.with_changes(
                 sm_clock_mhz=target,
@@ -1126,7 +785,7 @@ class Controller:
 
     def _idle_choice(
         self, knobs: Knobs, model: StepTimeModel, workload: Workload, ceiling: int | None
-    ) -> _Choice:
+    ) -> Choice:
         p = self.params
         slo = self._policy.ttft_slo_ms * p.slo_margin
         ratio = self._ttft_ratio.ratio(self._now_s, self._policy.slo_percentile)
@@ -1145,14 +804,14 @@ class Controller:
                     break
         if chosen is None:
             f = knobs.sm_clock_mhz or top
-            return _Choice(
+            return Choice(
                 ControllerState.IDLE,
                 knobs,
                 Reason.IDLE,
                 "idle: no trusted latency model yet, keeping the clock",
             )
         f, ttft = chosen
-        return _Choice(
+        return Choice(
             ControllerState.IDLE,
             knobs.with_changes(sm_clock_mhz=f),
             Reason.IDLE,
@@ -1316,7 +975,7 @@ class Controller:
         now_s: float,
         budget_w: float,
         ceiling: int | None,
-    ) -> _Choice:
+    ) -> Choice:
         p = self.params
         temp = telemetry.gpu_temp_c
         level = base.quant_level or self.engine.full_precision_level
@@ -1499,7 +1158,7 @@ class Controller:
             if code is Reason.STEADY:
                 code = Reason.OPTIMIZE
         reason = "; ".join(notes) if notes else "steady: current configuration within margins"
-        return _Choice(state, knobs, code, f"{reason} [{chosen.describe()}]", chosen)
+        return Choice(state, knobs, code, f"{reason} [{chosen.describe()}]", chosen)
 
     def _pace_candidates(self) -> list[float]:
         """Decode intervals to consider (ms): off, and pace_fractions of the TPOT SLO within
@@ -1719,347 +1378,6 @@ class Controller:
                 return best
             t = min(top, t * 2)
 
-    def _best_allowed_level(self, allowed: tuple[str, ...], current: str) -> str:
-        if self.engine.full_precision_level in allowed:
-            return self.engine.full_precision_level
-        return allowed[0] if allowed else current
-
-    def _quant_step(
-        self,
-        base: Knobs,
-        allowed: tuple[str, ...],
-        workload: Workload,
-        temp: float | None,
-        now_s: float,
-        budget_w: float,
-        ceiling: int | None,
-    ) -> _Choice | None:
-        """The slowest timescale. A known level replaces the current one after
-        quant_dwell_s for a quant_gain_min_pct predicted gain, compared only at clocks each
-        level was seen at (no extrapolation across levels) and only where its model has
-        seen batches like the largest of the last quant_peak_window_s (a model fitted on
-        small batches flatters a level at large ones). A level never run is tried for
-        quant_explore_dwell_s when the load is calm, and kept only if then predicted
-        better. When the current level cannot meet the targets at any trusted clock (and a
-        queue or a latency guard within quant_stuck_busy_s says so too), both happen after
-        quant_explore_dwell_s and without the gain threshold, and a level
-        measured faster whose model has not seen the batches running now is tried again.
-        Nothing switches while requests wait or a latency guard holds (unless the level
-        has not coped for quant_stuck_busy_s); a switch keeps the clock in force when that
-        is higher (the optimizer walks it down)."""
-        p = self.params
-        level = base.quant_level or self.engine.full_precision_level
-        if self._last_quant_switch_s is None:
-            self._last_quant_switch_s = now_s  # the dwell starts with the first tracking
-            return None
-        since = now_s - self._last_quant_switch_s
-
-        def best_for(
-            lv: str, compare: bool, other: str | None = None, batch: int | None = None
-        ) -> Prediction | None:
-            # Levels are compared over the clocks either has been trusted at: a level tried
-            # only briefly (near the top clock) starts from the clock sensitivity learned
-            # for the other one (StepTimeModel.as_prior), so it is judged where the other
-            # already runs, not only where it was tried.
-            clocks = self._clock_range(lv, now_s, ceiling)
-            if compare:
-                against = self._clock_range(other or level, now_s, ceiling)
-                clocks = sorted(set(clocks) | set(against))
-            preds = [
-                self._predict(lv, f, base.max_num_seqs, base.max_num_batched_tokens, workload, temp)
-                for f in clocks
-            ]
-            ok = [
-                pr
-                for pr in preds
-                if self._feasible(pr, budget_w) and (lv == level or self._batch_trusted(pr, batch))
-            ]
-            return min(ok, key=self._score) if ok else None
-
-        def switch(to: Prediction, why: str) -> _Choice:
-            self._last_quant_switch_s = now_s
-            self._quant_left_s[level] = now_s
-            # A new level starts no lower than the clock in force: its model is the less
-            # tried one, so the clock optimizer walks it down afterwards (slowly), rather
-            # than the switch doing both at once.
-            clock = to.sm_clock_mhz
-            here = base.sm_clock_mhz or self.device.sm_clock_max_mhz
-            if here > clock:
-                at_here = self._predict(
-                    to.quant_level,
-                    here,
-                    base.max_num_seqs,
-                    base.max_num_batched_tokens,
-                    workload,
-                    temp,
-                )
-                if self._within_budget(at_here, budget_w):
-                    clock = here
-            return _Choice(
-                ControllerState.TRACKING,
-                base.with_changes(quant_level=to.quant_level, sm_clock_mhz=clock),
-                Reason.QUANT_SWITCH,
-                f"quantization {level} -> {to.quant_level}: {why} [{to.describe()}]",
-                to,
-            )
-
-        def headroom(lv: str) -> Prediction:
-            # At the highest clock the budget allows.
-            top = ceiling if ceiling is not None else self.device.sm_clock_max_mhz
-            top = min(top, self._safe_clock(budget_w, temp))
-            return self._predict(
-                lv, top, base.max_num_seqs, base.max_num_batched_tokens, workload, temp
-            )
-
-        def load(pr: Prediction) -> float:
-            if not pr.stable:
-                return math.inf
-            pol = self._policy
-            return max(pr.ttft_ms / pol.ttft_slo_ms, pr.tpot_ms / pol.tpot_slo_ms)
-
-        if self._exploring is not None:
-            tried, before = self._exploring
-            learned = self._step_model(tried).samples >= p.learning_min_steps
-            if since < p.quant_explore_dwell_s or not learned:
-                return None
-            # The trial is over: keep the level tried only if it is predicted better.
-            self._exploring = None
-            self._last_quant_switch_s = now_s
-            # Both over the same clocks: the union of where either has been trusted.
-            mine, theirs = best_for(tried, True, before), best_for(before, True, tried)
-            if theirs is not None and (mine is None or self._score(theirs) <= self._score(mine)):
-                if self._trial_measured_s > self._trial_expected_s > 0.0:
-                    # Slower than the level before, if not by enough to end the trial early:
-                    # the table that ranked it faster is wrong here too.
-                    self._slow_here_s[tried] = now_s
-                return switch(theirs, f"the trial of {tried} predicts no gain")
-            if mine is None and theirs is None:
-                # Neither meets the targets: keep the one with more latency headroom at the
-                # top clock the budget allows (the level tried only if clearly ahead).
-                ours, back = headroom(tried), headroom(before)
-                if not load(ours) < 0.9 * load(back):
-                    return switch(
-                        back,
-                        f"neither meets the targets; {tried} has no more headroom than {before}",
-                    )
-            return None
-        if workload.output_tokens_per_s <= 0 or len(allowed) < 2:
-            return None
-        current = best_for(level, False)
-        if current is not None:
-            self._stuck_since_s = None
-        elif self._stuck_since_s is None:
-            self._stuck_since_s = now_s
-        # Stuck: no trusted clock of this level has met the targets for quant_stuck_s, and
-        # the requests say so too (a queue, or a latency guard within quant_stuck_busy_s).
-        # The model's word alone is not enough: on the real engine fp32 was predicted short
-        # of the TTFT margin at the top clock while its requests met the SLO, and the
-        # escape tried bf16 under load with the full chunk, at seconds per prefill step.
-        troubled = self._waiting_now > 0 or now_s - self._last_guard_s < p.quant_stuck_busy_s
-        stuck = (
-            self._stuck_since_s is not None
-            and now_s - self._stuck_since_s >= p.quant_stuck_s
-            and troubled
-        )
-        busy = self._waiting_now > 0 or now_s - self._last_guard_s < p.guard_hold_s
-        stuck_for = now_s - self._stuck_since_s if self._stuck_since_s is not None else 0.0
-        stuck_long = stuck_for >= max(p.quant_stuck_s, p.quant_stuck_busy_s)
-        if busy and not stuck_long:
-            # Not while a queue is served: a switch costs, its gain rests on the less tried
-            # level's model, and the percentile ratios start again; the clock serves a
-            # queue faster. Unless the level has not coped for quant_stuck_busy_s.
-            return None
-
-        def hint(lv: str) -> tuple[float, int]:
-            # Fastest measured first, then the lightest weights.
-            opt = self._levels.get(lv)
-            speed = opt.decode_tok_s if opt is not None and opt.decode_tok_s else 0.0
-            return (-speed, opt.weight_bytes if opt is not None else 0)
-
-        # A level the table ranks slower than a level already run here, adopted while the
-        # batches were small (where lighter weights may be cheaper), is left for that level
-        # once batches of quant_table_batch_min run: there the table's batch-16 speed says
-        # more than a model fitted on small batches. (On a diurnal ramp, int8 tried in the
-        # calm of the morning held the peak at the top clock for a minute.)
-        mine = hint(level)[0]
-        table_rules = mine < 0.0 and self._running_peak >= p.quant_table_batch_min
-        if table_rules:
-            ahead = [
-                lv
-                for lv in allowed
-                if lv != level
-                and lv in self._step_models
-                and self._step_models[lv].samples >= p.learning_min_steps
-                and hint(lv)[0] < mine
-                and now_s - self._slow_here_s.get(lv, -math.inf) >= p.quant_slow_retry_s
-            ]
-            if ahead and since >= p.quant_explore_dwell_s:
-                lv = min(ahead, key=hint)
-                to = best_for(lv, True) or headroom(lv)
-                return switch(
-                    to,
-                    f"batches of {self._running_peak} run, where the speed table ranks {lv} "
-                    f"ahead of {level}",
-                )
-        if since >= (p.quant_explore_dwell_s if stuck else p.quant_dwell_s):
-            # Only levels whose models have seen batches like the largest of the last
-            # quant_peak_window_s: the level is the slow knob, and the load comes back.
-            peak = self._running_peak
-            # Where the table rules (above), not to a level it ranks slower: no flip-flop.
-            known = [
-                best_for(lv, True, batch=peak)
-                for lv in allowed
-                if lv != level
-                and lv in self._step_models
-                and self._step_models[lv].samples >= p.learning_min_steps
-                and not (table_rules and mine < hint(lv)[0] < 0.0)
-            ]
-            known = [pr for pr in known if pr is not None]
-            if not known and stuck:
-                # Nothing is predicted to meet the targets: the level with the most latency
-                # headroom at the highest clock the budget allows, if clearly ahead.
-                others = [
-                    pr
-                    for pr in (
-                        headroom(lv)
-                        for lv in allowed
-                        if lv != level
-                        and lv in self._step_models
-                        and self._step_models[lv].samples >= p.learning_min_steps
-                    )
-                    if self._batch_trusted(pr, peak)
-                ]
-                if others:
-                    ahead = min(others, key=load)
-                    if load(ahead) < 0.9 * load(headroom(level)):
-                        return switch(
-                            ahead,
-                            f"no level meets the targets; {ahead.quant_level} has the most "
-                            "headroom at the top clock",
-                        )
-            if known:
-                best = min(known, key=self._score)
-                cur = self._score(current) if current is not None else math.inf
-                if stuck:
-                    return switch(best, f"{level} cannot meet the targets at any trusted clock")
-                if current is None:
-                    return None  # a transient miss is the guards' business, not a reason
-                # Going back to a level left recently needs twice the gain (no flip-flop).
-                left_s = now_s - self._quant_left_s.get(best.quant_level, -math.inf)
-                need = p.quant_gain_min_pct * (2.0 if left_s < 3 * p.quant_dwell_s else 1.0)
-                if self._score(best) < cur * (1.0 - need / 100.0):
-                    gain = (1 - self._score(best) / cur) * 100
-                    return switch(best, f"predicted {gain:.0f}% better after a {since:.0f} s dwell")
-
-        # Levels never run have no model of their own: try each once. When the current level
-        # cannot cope, a level measured faster (bench quant's decode speed) whose model has
-        # not seen batches like those running now is tried again at this load (at most once
-        # per quant_peak_window_s): its model, not trusted there, learns them.
-        unexplored = [
-            lv
-            for lv in allowed
-            if lv != level and lv not in self._explored and lv not in self._step_models
-        ]
-        what = "never measured here"
-
-        def faster(lv: str) -> bool:
-            return hint(lv)[0] < hint(level)[0] or hint(lv)[0] == 0.0
-
-        if stuck and not any(faster(lv) for lv in unexplored):
-            # An escape wants a level the table calls faster: one tried at small batches
-            # before this load comes ahead of a never-run level the table calls slower (a
-            # burst escaped from fp32 to int8 while bf16, tried at a calm moment, waited).
-            retry = [
-                lv
-                for lv in allowed
-                if lv != level
-                and lv in self._step_models
-                and self._running_now > self._trusted_batch(lv)
-                and now_s - self._retried_s.get(lv, -math.inf) >= p.quant_peak_window_s
-                and now_s - self._slow_here_s.get(lv, -math.inf) >= p.quant_slow_retry_s
-                and faster(lv)
-            ]
-            if retry or not unexplored:
-                unexplored = retry
-                what = f"not measured at batches of {self._running_now} yet"
-        # A level whose prefill the table measured slower than the level in force's beyond
-        # the trial's slowdown bound is not tried: each of its prefill steps would hold the
-        # requests behind it longer than a trial tolerates, before any verdict can come (on
-        # a CPU without bf16 instructions, bf16 and int8 prefill ran about 6x slower than
-        # fp32's, and a 32-token probe step of int8 took seconds).
-        unexplored = [lv for lv in unexplored if not self._prefill_slower(lv, level)]
-        # A level the table ranks no faster than one measured slower here is not tried: the
-        # table's error is the machine's (on a CPU without bf16 or int8 instructions, their
-        # trials measured them 1.5-4x slower than fp32), and each trial costs latency until
-        # its verdict.
-        slow_known = [
-            hint(lv)[0]
-            for lv, t in self._slow_here_s.items()
-            if now_s - t < p.quant_slow_retry_s and hint(lv)[0] < 0.0
-        ]
-        if slow_known:
-            unexplored = [lv for lv in unexplored if hint(lv)[0] < min(slow_known)]
-        # The table's speed is a batch-16 figure: where batches like that run, a calm trial of
-        # a level it ranks slower than the level in force is not made (int8 on steady load
-        # here: 10 s of a level that could not keep up at the clock in force, and the clock
-        # raised to the top for it). At smaller batches, where lighter weights may be
-        # cheaper, it is.
-        if not stuck and table_rules:
-            unexplored = [lv for lv in unexplored if hint(lv)[0] < mine or hint(lv)[0] == 0.0]
-        steady_s = now_s - self._feasible_since_s if self._feasible_since_s is not None else 0.0
-        calm = now_s - self._last_guard_s >= p.guard_hold_s and steady_s >= 5.0
-        # Once a trial has measured a level much slower than the table said, the table is
-        # not trusted to pick an escape under load: later trials wait for a calm moment.
-        table_wrong = any(now_s - t < p.quant_slow_retry_s for t in self._slow_here_s.values())
-        if (
-            unexplored
-            and since >= p.quant_explore_dwell_s
-            and (calm or (stuck and not table_wrong))
-        ):
-            order = sorted(unexplored, key=hint)
-            target = order[0]
-            if target in self._explored:
-                self._retried_s[target] = now_s
-            self._explored.add(target)
-            self._start_trial(target, level, stuck, now_s)
-            self._quant_left_s[level] = now_s
-            self._last_quant_switch_s = now_s
-            # A calm trial's first steps run with a small prefill chunk (a probe): a level
-            # far slower than the table says shows it in short steps, not in one that
-            # stalls every request for seconds (a 256-token bf16 step took 6 s on the real
-            # engine here; a step once started runs to its end). The verdict restores the
-            # chunk. Not an escape under load: there the queue needs the full chunk.
-            probe = max(
-                self.engine.max_num_batched_tokens_min,
-                base.max_num_batched_tokens // p.quant_trial_probe_fraction,
-            )
-            # No decode pacing through a trial: its verdict compares the two levels' models,
-            # and a young model's paced predictions rest on batches it has not seen.
-            knobs = base.with_changes(quant_level=target, decode_interval_ms=0.0)
-            note = ""
-            if probe < base.max_num_batched_tokens and not stuck:
-                self._probe_chunk_from = base.max_num_batched_tokens
-                knobs = knobs.with_changes(max_num_batched_tokens=probe)
-                note = f"; chunk {base.max_num_batched_tokens} -> {probe} until its first steps"
-            return _Choice(
-                ControllerState.TRACKING,
-                knobs,
-                Reason.QUANT_EXPLORE,
-                f"quantization {level} -> {target}: {what}; trying it for "
-                f"{p.quant_explore_dwell_s:g} s (latency guards stay armed)"
-                + ("; the current level cannot meet the targets" if stuck else "")
-                + note,
-            )
-        return None
-
-    def _prefill_slower(self, level: str, than: str) -> bool:
-        """Whether the table's prefill speed of `level` is below `than`'s by more than
-        quant_trial_slowdown_max (False where either is not in the table)."""
-        mine, theirs = self._levels.get(level), self._levels.get(than)
-        if mine is None or theirs is None or not mine.prefill_tok_s or not theirs.prefill_tok_s:
-            return False
-        return theirs.prefill_tok_s > self.params.quant_trial_slowdown_max * mine.prefill_tok_s
-
     # ---- constraints and bookkeeping ----------------------------------------
 
     def _snap(self, mhz: float) -> int:
@@ -2103,7 +1421,7 @@ class Controller:
         return Knobs(seqs, tokens, level, clock, limit, interval)
 
     def _finish(
-        self, choice: _Choice, now_s: float, budget_w: float, telemetry: Telemetry | None
+        self, choice: Choice, now_s: float, budget_w: float, telemetry: Telemetry | None
     ) -> Decision:
         if self._probe_chunk_from is not None and self._exploring is None:
             # However the trial ended, the chunk its probe cut comes back.

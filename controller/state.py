@@ -1,0 +1,272 @@
+"""The controller's vocabulary: its named states, the reason codes of its decisions, its
+tunable parameters (ControllerParams), the Decision it returns, the counters it keeps and
+the Choice its timescales hand back. Plain data: this module must not import torch or the
+daemon, read a clock, or touch a device or an engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from controller.models import Prediction
+from controller.policy import ControlMode, Knobs
+
+
+class ControllerState(StrEnum):
+    """Where the controller is. Transitions (checked in this order every observation):
+
+    any      -- telemetry stale or missing ------------------------> HOLD
+    HOLD     -- still stale after stale_hold_s ---------------------> FALLBACK
+    HOLD/FALLBACK -- fresh telemetry --------------------------------> (re-evaluated below)
+    any      -- mode manual ------------------------------------------> MANUAL
+    any      -- measured power over the (derated) budget -------------> GUARD_POWER
+    any      -- waiting queue grows / measured SLO miss (auto, observe) -> GUARD_LATENCY
+    any      -- nothing running or waiting for idle_after_s ----------> IDLE
+    any      -- too few samples for the models at this level ---------> LEARNING
+    otherwise ---------------------------------------------------------> TRACKING
+    """
+
+    LEARNING = "learning"
+    TRACKING = "tracking"
+    IDLE = "idle"
+    GUARD_LATENCY = "guard_latency"
+    GUARD_POWER = "guard_power"
+    HOLD = "hold"
+    FALLBACK = "fallback"
+    MANUAL = "manual"
+
+
+class Reason(StrEnum):
+    """Why a decision is what it is; each one is counted."""
+
+    LEARNING = "learning"
+    OPTIMIZE = "optimize"
+    STEADY = "steady"
+    INFEASIBLE = "infeasible"
+    IDLE = "idle"
+    QUEUE_GROWTH = "guard_queue_growth"
+    SLO_MISS = "guard_slo_miss"
+    OVER_BUDGET = "guard_over_budget"
+    STALE_HOLD = "stale_hold"
+    STALE_FALLBACK = "stale_fallback"
+    MANUAL = "manual"
+    QUANT_SWITCH = "quant_switch"
+    QUANT_EXPLORE = "quant_explore"
+    QUANT_FORBIDDEN = "quant_forbidden"
+
+
+@dataclass(frozen=True)
+class ControllerParams:
+    """Tuning of the controller; defaults suit a GPU with a 100 ms telemetry period.
+
+    Timescales: the clock may change every clock_min_interval_s (down: also only descend_hold_s
+    after a move up, for a clock_gain_min_pct gain, and while the level's model has fewer than
+    descend_evidence_steps steps, below the clocks it has seen only after a first token at the
+    clock in force), the batch caps every batch_period_s (the chunk at most every
+    chunk_period_s, growing only within chunk_grow_margin of its bound), the quantization level
+    after quant_dwell_s for a predicted gain of quant_gain_min_pct (a never-run level is tried
+    for quant_explore_dwell_s; a level that cannot cope for quant_stuck_s is left sooner); a
+    level's model is trusted up to batch_trust_factor x the largest decode batch it has been
+    fitted around (at least batch_trust_min), and a switch needs that trust at the largest batch
+    of the last quant_peak_window_s; nothing switches while a queue is served or a guard holds,
+    unless the level has not coped for quant_stuck_busy_s. A trial is judged on its measured
+    steps as they come: once quant_trial_min_steps steps and quant_trial_evidence_s of them have
+    run, a level whose steps took more than quant_trial_slowdown_max x what the level before
+    would have taken (its model, at the clocks they ran) is left at once, and not tried again
+    for quant_slow_retry_s; a trial still learning after quant_trial_max_s ends too (bench
+    quant's speed table may come from another machine). A calm trial's first steps run with
+    1/quant_trial_probe_fraction of the chunk; a never-run level the table ranks slower than the
+    level in force is not tried calmly once batches of quant_table_batch_min run (the table's
+    speed is a batch-16 figure), and a level in force that the table ranks slower than one
+    already run here is left for that one there. Decode pacing: the interval is 0 or one of
+    pace_fractions x the TPOT SLO (within the engine's longest); a shorter one is weighed with
+    the clocks every observation, a longer one at most every pace_period_s, once the level's
+    model has descend_evidence_steps steps, and never through a trial. A prefill chunk's step at
+    the clock in force stays within chunk_step_slo_factor x the TPOT SLO and
+    chunk_step_ttft_factor x the TTFT SLO. Margins: predictions must meet slo_margin x SLO (x
+    descend_margin for a lower clock) and power_margin x budget; the board power limit is set to
+    power_limit_margin x budget; a reading within power_noise_tolerance over the budget is
+    noise. Guards: a latency guard raises the clock by guard_clock_steps candidates, or to the
+    lowest clock predicted to prefill the waiting queue within slo_margin x the TTFT SLO (at
+    most every guard_cooldown_s), and holds that floor for guard_hold_s; a power guard lowers
+    the clock at once and holds that ceiling for power_hold_s (anti-windup; doubled up to
+    power_hold_max_s when it fires again soon, and for power_hold_max_s after it fires the board
+    limit is not trusted to hold the budget), released once power is under power_release_margin
+    x budget. Thermal: the budget is derated linearly from 1 at thermal_derate_start_c of margin
+    to thermal_derate_min at thermal_derate_full_c. Stale telemetry: hold for stale_hold_s, then
+    the fallback knobs. Learning: learning_min_steps steps and learning_min_power_samples
+    readings before the models are used; a clock counts as seen after trust_min_samples steps,
+    and trust reaches trust_clock_steps beyond.
+    """
+
+    batch_period_s: float = 2.0
+    quant_dwell_s: float = 30.0
+    quant_explore_dwell_s: float = 10.0
+    quant_gain_min_pct: float = 10.0
+    quant_stuck_s: float = 3.0
+    clock_gain_min_pct: float = 3.0
+    clock_min_interval_s: float = 1.0
+    clock_candidates: int = 12
+    descend_margin: float = 0.9
+    descend_hold_s: float = 5.0
+    descend_evidence_steps: int = 300
+    chunk_step_slo_factor: float = 2.5
+    chunk_step_ttft_factor: float = 0.3
+    chunk_grow_margin: float = 0.75
+    chunk_period_s: float = 10.0
+    slo_margin: float = 0.85
+    power_margin: float = 0.95
+    power_limit_margin: float = 0.98
+    guard_clock_steps: int = 3
+    guard_cooldown_s: float = 1.0
+    guard_hold_s: float = 10.0
+    power_hold_s: float = 5.0
+    power_hold_max_s: float = 60.0
+    power_release_margin: float = 0.9
+    power_noise_tolerance: float = 0.02
+    queue_growth_ticks: int = 3
+    thermal_derate_start_c: float = 6.0
+    thermal_derate_full_c: float = 0.0
+    thermal_derate_min: float = 0.6
+    stale_hold_s: float = 2.0
+    fallback_sm_clock_mhz: int | None = None
+    fallback_max_num_seqs: int | None = None
+    idle_after_s: float = 0.5
+    learning_min_steps: int = 30
+    learning_min_power_samples: int = 8
+    trust_clock_steps: int = 2
+    trust_min_samples: int = 10
+    batch_trust_factor: float = 1.5
+    batch_trust_min: int = 4
+    quant_peak_window_s: float = 120.0
+    quant_stuck_busy_s: float = 20.0
+    quant_trial_slowdown_max: float = 1.25
+    quant_trial_evidence_s: float = 1.0
+    quant_trial_min_steps: int = 2
+    quant_trial_max_s: float = 30.0
+    quant_trial_probe_fraction: int = 8
+    quant_slow_retry_s: float = 600.0
+    quant_table_batch_min: int = 8
+    pace_period_s: float = 5.0
+    pace_fractions: tuple[float, ...] = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
+
+    def __post_init__(self) -> None:
+        for name in (
+            "batch_period_s",
+            "quant_dwell_s",
+            "quant_explore_dwell_s",
+            "clock_min_interval_s",
+            "slo_margin",
+            "power_margin",
+            "power_limit_margin",
+            "stale_hold_s",
+            "power_release_margin",
+            "chunk_step_ttft_factor",
+            "batch_trust_factor",
+            "quant_peak_window_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ControllerParams.{name} must be > 0")
+        for name in ("slo_margin", "power_margin", "power_limit_margin", "power_release_margin"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"ControllerParams.{name} must be <= 1")
+        if not 0 < self.thermal_derate_min <= 1:
+            raise ValueError("ControllerParams.thermal_derate_min must be in (0, 1]")
+        if self.thermal_derate_full_c >= self.thermal_derate_start_c:
+            raise ValueError("ControllerParams: thermal_derate_full_c must be < _start_c")
+        if self.clock_candidates < 2 or self.guard_clock_steps < 1:
+            raise ValueError("ControllerParams: clock_candidates >= 2, guard_clock_steps >= 1")
+        if not 0 < self.chunk_grow_margin <= 1:
+            raise ValueError("ControllerParams.chunk_grow_margin must be in (0, 1]")
+        if self.quant_trial_probe_fraction < 1 or self.quant_trial_slowdown_max < 1:
+            raise ValueError(
+                "ControllerParams: quant_trial_probe_fraction >= 1, quant_trial_slowdown_max >= 1"
+            )
+        if self.power_hold_max_s < self.power_hold_s:
+            raise ValueError("ControllerParams.power_hold_max_s must be >= power_hold_s")
+        if not self.pace_period_s > 0 or not all(0 < f <= 1 for f in self.pace_fractions):
+            raise ValueError("ControllerParams: pace_period_s > 0, pace_fractions each in (0, 1]")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One observation's outcome: the complete knob setting and why.
+
+    apply: False in observe mode (advice only: nothing may be applied). changed: knobs that
+    differ from the previous decision. effective_budget_w: the budget after thermal
+    derating. prediction: the model's view of the chosen configuration, when it has one.
+    """
+
+    at_s: float
+    seq: int
+    state: ControllerState
+    mode: ControlMode
+    knobs: Knobs
+    changed: tuple[str, ...]
+    apply: bool
+    reason_code: Reason
+    reason: str
+    effective_budget_w: float
+    prediction: Prediction | None = None
+
+    def to_dict(self) -> dict:
+        """JSON-ready form (events, /v1/status)."""
+        k = self.knobs
+        out = {
+            "at_s": self.at_s,
+            "seq": self.seq,
+            "state": self.state.value,
+            "mode": self.mode.value,
+            "apply": self.apply,
+            "reason_code": self.reason_code.value,
+            "reason": self.reason,
+            "changed": list(self.changed),
+            "effective_budget_w": round(self.effective_budget_w, 2),
+            "knobs": {
+                "max_num_seqs": k.max_num_seqs,
+                "max_num_batched_tokens": k.max_num_batched_tokens,
+                "quant_level": k.quant_level,
+                "sm_clock_mhz": k.sm_clock_mhz,
+                "power_limit_w": k.power_limit_w,
+                "decode_interval_ms": k.decode_interval_ms,
+            },
+            "prediction": None,
+        }
+        p = self.prediction
+        if p is not None and math.isfinite(p.j_per_token):
+            out["prediction"] = {
+                "j_per_token": round(p.j_per_token, 5),
+                "ttft_ms": round(p.ttft_ms, 1),
+                "tpot_ms": round(p.tpot_ms, 1),
+                "power_w": round(p.power_w, 1),
+                "peak_power_w": round(p.peak_power_w, 1),
+            }
+        return out
+
+
+@dataclass
+class ControllerCounters:
+    """Counts since start: decisions by reason code, knob changes by knob, state
+    transitions as 'from->to'."""
+
+    decisions: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in Reason})
+    knob_changes: dict[str, int] = field(default_factory=dict)
+    transitions: dict[str, int] = field(default_factory=dict)
+
+    def snapshot(self) -> dict:
+        return {
+            "decisions": dict(self.decisions),
+            "knob_changes": dict(self.knob_changes),
+            "transitions": dict(self.transitions),
+        }
+
+
+@dataclass
+class Choice:
+    state: ControllerState
+    knobs: Knobs
+    code: Reason
+    reason: str
+    prediction: Prediction | None = None
