@@ -215,6 +215,11 @@ class Controller(QuantTimescale):
     def status(self) -> dict:
         """JSON-ready state for /v1/status and MQTT."""
         last = self._last
+        allowed = allowed_quant_levels(
+            self.engine.quant_options,
+            self.engine.full_precision_level,
+            self._policy.max_ppl_increase_pct,
+        )
         return {
             "state": self.state.value,
             "mode": self._policy.mode.value,
@@ -238,6 +243,16 @@ class Controller(QuantTimescale):
                 for level, m in self._step_models.items()
             },
             "power_samples": self._power.samples,
+            # What bench quant's table says of each level, and which the quality limit allows.
+            "quant_levels": {
+                o.level: {
+                    "allowed": o.level in allowed,
+                    "ppl_increase_pct": o.ppl_increase_pct,
+                    "decode_tok_s": o.decode_tok_s,
+                    "prefill_tok_s": o.prefill_tok_s,
+                }
+                for o in self.engine.quant_options
+            },
             "latency_ratio": {
                 "ttft": round(self._ttft_ratio.ratio(self._now_s, self._policy.slo_percentile), 3),
                 "tpot": round(self._tpot_ratio.ratio(self._now_s, self._policy.slo_percentile), 3),

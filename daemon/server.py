@@ -31,6 +31,7 @@ from typing import Any
 
 import uvicorn
 
+from bench.quant import load_quality_table, quality_table_path
 from daemon.api.app import create_app
 from daemon.api.schemas import Policy
 from daemon.api.state import Phase, ServingState, resolve_api_token
@@ -368,12 +369,48 @@ class Daemon:
         if device.capabilities().is_virtual:
             # The simulated clock acts on real steps: the engine waits out the stretch.
             engine.add_step_hook(device_step_hook(engine, device))
-        loop = ControlLoop.build(self.cfg.controller, engine, device, sinks=[self.feed.on_decision])
+        loop = ControlLoop.build(
+            self.cfg.controller,
+            engine,
+            device,
+            quality=self._quality_table(engine),
+            sinks=[self.feed.on_decision],
+        )
         engine.add_step_hook(loop.on_step)  # after the stretch, so durations include it
         # A policy set while the model loaded (a PUT, a retained policy/set) holds.
         loop.set_policy(loop.controller.policy.with_changes(**self.state.policy.model_dump()))
         self.state.control_loop = loop
         return True
+
+    def _quality_table(self, engine: Engine) -> dict | None:
+        """bench quant's table for the model served, from the cache (its perplexity
+        figures let max_ppl_increase_pct allow levels; its speeds order the controller's
+        trials), or None: none saved, or one measured with another full-precision level."""
+        path = quality_table_path(
+            self.cfg.engine.cache_dir or default_cache_dir(), engine.model_name
+        )
+        table = load_quality_table(path)
+        full = engine.quant_status()["full_precision"]
+        if table is None:
+            log.info(
+                "quantization: no quality table at %s (`wattserve bench quant` writes it): "
+                "levels have no measured quality or speed%s",
+                path,
+                "; max_ppl_increase_pct allows full precision only"
+                if self.cfg.controller.max_ppl_increase_pct is not None
+                else "",
+            )
+            return None
+        if table.get("full_precision") != full:
+            log.warning(
+                "quantization: ignoring %s: measured against %s, the model is loaded as %s",
+                path,
+                table.get("full_precision"),
+                full,
+            )
+            return None
+        log.info("quantization: quality and speed table %s", path)
+        return table
 
     def _deliver(self, fut: asyncio.Future, value: object, error: BaseException | None) -> None:
         def settle() -> None:
