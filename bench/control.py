@@ -1102,6 +1102,23 @@ def measure_capacity(
     return (len(engine.finished) - (done0 or 0)) / (seconds - warm)
 
 
+def _real_engine(loaded: Any, level: str, levels: tuple[str, ...] = ()) -> Any:
+    """A fresh real engine over the loaded weights, as every real-engine run here uses it:
+    a 512 MiB KV pool, caps 64/512, starting at `level`, allowed `level` and `levels`."""
+    from daemon.engine.engine import Engine, EngineOptions
+
+    return Engine(
+        loaded,
+        EngineOptions(
+            kv_cache_bytes=1 << 29,
+            max_num_seqs=64,
+            max_num_batched_tokens=512,
+            quantization_levels=tuple(dict.fromkeys((level, *levels))),
+            quantization_level=level,
+        ),
+    )
+
+
 def measure_level_speeds_real(loaded: Any, levels: tuple[str, ...]) -> dict[str, dict[str, float]]:
     """Each level's speed on the real engine here and now, as bench quant's table gives it
     to the daemon on the machine it runs on: decode tok/s at batch 16
@@ -1112,19 +1129,9 @@ def measure_level_speeds_real(loaded: Any, levels: tuple[str, ...]) -> dict[str,
     several times slower, where a table from a machine with them ranks both ahead."""
     from bench.engine import corpus_token_ids
     from bench.quant import DecodeTimer, measure_speed
-    from daemon.engine.engine import Engine, EngineOptions
     from daemon.engine.request import SamplingParams
 
-    engine = Engine(
-        loaded,
-        EngineOptions(
-            kv_cache_bytes=1 << 29,
-            max_num_seqs=64,
-            max_num_batched_tokens=512,
-            quantization_levels=levels,
-            quantization_level=levels[0],
-        ),
-    )
+    engine = _real_engine(loaded, levels[0], levels)
     timer = DecodeTimer()
     engine.add_step_hook(timer)
     ids = corpus_token_ids(engine.tokenizer, 2048)
@@ -1154,19 +1161,9 @@ def measure_capacity_real(loaded: Any, level: str, mix: RequestMix, seconds: flo
     `seconds` after the first 16 have finished (the first wave prefills together, so a
     fixed warm-up time would measure nothing on a slow CPU)."""
     from bench.engine import corpus_token_ids, corpus_window
-    from daemon.engine.engine import Engine, EngineOptions
     from daemon.engine.request import SamplingParams
 
-    engine = Engine(
-        loaded,
-        EngineOptions(
-            kv_cache_bytes=1 << 29,
-            max_num_seqs=64,
-            max_num_batched_tokens=512,
-            quantization_levels=(level,),
-            quantization_level=level,
-        ),
-    )
+    engine = _real_engine(loaded, level)
     ids = corpus_token_ids(engine.tokenizer, 8192)
     rng = random.Random(99)
     done: list[float] = []
@@ -1468,19 +1465,9 @@ def run_real(
     from daemon.config import DeviceConfig
     from daemon.coupling import device_step_hook
     from daemon.device import open_device
-    from daemon.engine.engine import Engine, EngineOptions
     from daemon.engine.request import SamplingParams
 
-    engine = Engine(
-        loaded,
-        EngineOptions(
-            kv_cache_bytes=1 << 29,
-            max_num_seqs=64,
-            max_num_batched_tokens=512,
-            quantization_levels=tuple(dict.fromkeys((start_level, *levels))),
-            quantization_level=start_level,
-        ),
-    )
+    engine = _real_engine(loaded, start_level, levels)
     ids = corpus_token_ids(engine.tokenizer, 8192)
     policy = policy.with_changes(power_budget_w=scenario.budget_w(0.0), mode=ControlMode.AUTO)
     with tempfile.TemporaryDirectory() as state_dir:
