@@ -7,7 +7,9 @@ scheduler and KV-cache manager (plain Python), step times from a linear fit per
 quantization level calibrated on the real engine's measured steps on this CPU (kept in
 the cache, `--recalibrate` to measure again), booked on the virtual GPU with a SimClock,
 so minutes of load take seconds. `--engine real`: the real engine on this CPU in wall
-time with the virtual GPU stretching its steps (short scenarios only). Both drive the
+time with the virtual GPU stretching its steps (short scenarios only), the controller's
+speed table measured on the spot as the daemon's comes from bench quant run where it
+serves (the engine model's comes from its calibration). Both drive the
 daemon's own ControlLoop. Baselines, same arrivals: max clock with fixed batch caps (the
 uncontrolled engine), a static power cap at the budget, and a PI(D) loop on power only.
 Writes docs/control-<scenario>.png and docs/control-summary.png; the last line printed
@@ -912,8 +914,8 @@ def _make_system(
     inline: bool,
     speeds: dict[str, dict[str, float]] | None = None,
 ):
-    """speeds: the controller's table of batch-16 decode tok/s per level (None: the
-    calibration's)."""
+    """speeds: the controller's speed table, per level its decode_tok_s_bs16 and
+    prefill_tok_s (None: the calibration's)."""
     budget = policy.power_budget_w
     if name == "max_clock":
         return MaxClock(engine, device, clock)
