@@ -215,11 +215,7 @@ class Controller(QuantTimescale):
     def status(self) -> dict:
         """JSON-ready state for /v1/status and MQTT."""
         last = self._last
-        allowed = allowed_quant_levels(
-            self.engine.quant_options,
-            self.engine.full_precision_level,
-            self._policy.max_ppl_increase_pct,
-        )
+        allowed = self._allowed_levels()
         return {
             "state": self.state.value,
             "mode": self._policy.mode.value,
@@ -258,6 +254,14 @@ class Controller(QuantTimescale):
                 "tpot": round(self._tpot_ratio.ratio(self._now_s, self._policy.slo_percentile), 3),
             },
         }
+
+    def _allowed_levels(self) -> tuple[str, ...]:
+        """The levels the policy's quality limit allows (bench quant's table decides)."""
+        return allowed_quant_levels(
+            self.engine.quant_options,
+            self.engine.full_precision_level,
+            self._policy.max_ppl_increase_pct,
+        )
 
     # ---- learning ----------------------------------------
 
@@ -463,11 +467,7 @@ class Controller(QuantTimescale):
             return guarded
         ceiling = self._active_ceiling(now_s, power_w, budget_w, telemetry.gpu_temp_c)
 
-        allowed = allowed_quant_levels(
-            self.engine.quant_options,
-            self.engine.full_precision_level,
-            policy.max_ppl_increase_pct,
-        )
+        allowed = self._allowed_levels()
         level = base.quant_level or self.engine.full_precision_level
         if level not in allowed:
             target = self._best_allowed_level(allowed, level)
