@@ -6,10 +6,9 @@ installation ships (read at run time and named in the output; nothing is downloa
 kept in the repo), greedy agreement with the full-precision level over 32 prompts x 64
 tokens, prefill tok/s (the perplexity passes, 512 tokens each), decode tok/s
 single-stream and at batch 16 (levels interleaved over rounds, best round kept), and
-the level's weight bytes. The table is saved in the cache directory for the controller
-(load_quality_table, levels_within_ppl_increase); the last line printed is one JSON
-object. This module's top level imports no torch: the controller may read the table
-through it.
+the level's weight bytes. The table is saved in the cache directory, where the daemon
+reads it for the controller (daemon/quant_table.py stores and reads it); the last line
+printed is one JSON object. This module's top level imports no torch.
 """
 
 from __future__ import annotations
@@ -22,48 +21,10 @@ import sysconfig
 import time
 from pathlib import Path
 
-QUALITY_TABLE_VERSION = 1
+from daemon.quant_table import QUALITY_TABLE_VERSION, quality_table_path, save_quality_table
+
 DEFAULT_LEVELS = ("fp32", "bf16", "int8", "int4", "int4-g128")
 PPL_WINDOW_TOKENS = 512
-
-
-# ---- the quality table (read by the controller; no torch) -------------------------------
-
-
-def quality_table_path(cache_dir: Path, model_name: str) -> Path:
-    """Where the bench saves the table of `model_name` inside the cache directory."""
-    return Path(cache_dir) / "quant" / f"{model_name}-quality.json"
-
-
-def save_quality_table(path: Path, table: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(table, indent=1) + "\n")
-    tmp.replace(path)  # atomic: a reader never sees half a table
-
-
-def load_quality_table(path: Path) -> dict | None:
-    """The saved table, or None when there is none (or it is of another version)."""
-    try:
-        table = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    if not isinstance(table, dict) or table.get("version") != QUALITY_TABLE_VERSION:
-        return None
-    return table
-
-
-def levels_within_ppl_increase(table: dict, max_ppl_increase_pct: float) -> list[str]:
-    """Levels whose measured perplexity increase over full precision is at most
-    `max_ppl_increase_pct`, in table order. The full-precision level always qualifies;
-    a level without a measurement does not (its quality cost is unknown)."""
-    # The controller's rule, over the table read as the control loop reads it.
-    from controller.policy import allowed_quant_levels
-    from daemon.control_loop import quant_options
-
-    options = quant_options(tuple(table.get("levels", {})), table)
-    full_precision = table.get("full_precision", "")
-    return list(allowed_quant_levels(options, full_precision, max_ppl_increase_pct))
 
 
 # ---- measurements --------------------------------------------------------------------

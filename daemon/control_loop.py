@@ -152,7 +152,7 @@ def quant_options(
     levels: Sequence[str], quality: dict | None, weight_bytes: dict[str, int] | None = None
 ) -> tuple[QuantOption, ...]:
     """QuantOptions from the engine's allowed levels and bench quant's quality table
-    (bench.quant.load_quality_table; None when there is none yet)."""
+    (daemon.quant_table.load_quality_table; None when there is none yet)."""
     rows = (quality or {}).get("levels", {})
     out = []
     for level in levels:
@@ -246,7 +246,8 @@ class ControlLoop:
     ) -> ControlLoop:
         """A loop over the daemon's real Engine and ManagedDevice, from [controller].
 
-        quality: bench quant's table for this model (bench.quant.load_quality_table), or None.
+        quality: bench quant's table for this model (daemon.quant_table.load_quality_table),
+            or None.
         """
         telemetry = device.read()
         status = engine.quant_status()

@@ -31,7 +31,6 @@ from typing import Any
 
 import uvicorn
 
-from bench.quant import load_quality_table, quality_table_path
 from daemon.api.app import create_app
 from daemon.api.schemas import Policy
 from daemon.api.state import Phase, ServingState, resolve_api_token
@@ -46,6 +45,7 @@ from daemon.engine.request import SamplingParams
 from daemon.feed import LiveFeed
 from daemon.mqtt import DeviceSummary, EventPayload, MqttLink
 from daemon.mqtt.metrics import MqttCollector
+from daemon.quant_table import load_quality_table, quality_table_path
 from daemon.sdnotify import Notifier, ProgressProbe, Watchdog, status_line
 
 log = logging.getLogger("wattserve.server")

@@ -8,9 +8,10 @@ import math
 
 import torch
 
-from bench.quant import load_quality_table, perplexity, quality_table_path
+from bench.quant import perplexity
 from daemon.cli import main
 from daemon.engine.engine import Engine, EngineOptions
+from daemon.quant_table import load_quality_table, quality_table_path
 from tests.integration.test_engine import block_bytes
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from bench.quant import QUALITY_TABLE_VERSION, quality_table_path, save_quality_table
+from daemon.quant_table import QUALITY_TABLE_VERSION, quality_table_path, save_quality_table
 from tests.api_server import api_config, running_server
 
 

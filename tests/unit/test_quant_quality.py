@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from bench.quant import (
+from bench.quant import greedy_agreement_pct
+from daemon.quant_table import (
     QUALITY_TABLE_VERSION,
-    greedy_agreement_pct,
     levels_within_ppl_increase,
     load_quality_table,
     quality_table_path,
