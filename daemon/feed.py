@@ -4,11 +4,13 @@ Consumers are the dashboard's Server-Sent Events stream, the MQTT link and Prome
 A snapshot (daemon.mqtt.payloads.TelemetryPayload) is built from the serving state: the
 latest device reading, the engine's counters and queues, the knobs and the policy in
 force, and window figures (tok/s, J/token, TTFT/TPOT percentiles, SLO attainment) over
-the time since that consumer's previous snapshot. Each consumer closes its own window
-(`snapshot(window=...)`), so the MQTT period and the dashboard's one-second tick do not
-steal requests from each other. Events (controller decisions, policy changes, start,
-drain, ...) are published from any thread and fanned out to listeners on the daemon's
-event loop; the last few minutes of both are kept for a page that has just opened.
+the time since that consumer's previous snapshot. Each consumer opens its own window when
+it is built (`open_window(name)`) and closes it with `snapshot(window=name)`, so the MQTT
+period and the dashboard's one-second tick do not steal requests from each other, and a
+request that finishes before a consumer's first tick is still counted by it. Events
+(controller decisions, policy changes, start, drain, ...) are published from any thread
+and fanned out to listeners on the daemon's event loop; the last few minutes of both are
+kept for a page that has just opened.
 
 It reads state and hands payloads on; it must not decide, apply knobs or do network I/O.
 """
@@ -112,7 +114,7 @@ class LiveFeed:
         self.state = state
         self.period_s = period_s
         self._lock = threading.Lock()
-        self._windows: dict[str, TelemetryWindow] = {LIVE_WINDOW: TelemetryWindow()}
+        self._windows: dict[str, TelemetryWindow] = {}
         self._history: collections.deque[TelemetryPayload] = collections.deque(
             maxlen=max(1, int(history_s / period_s))
         )
@@ -124,6 +126,20 @@ class LiveFeed:
         self._last_decision: tuple[str, str] | None = None
         self._seen_level: str | None = None
         self._seen_stale: bool | None = None
+        self.open_window(LIVE_WINDOW)
+
+    def open_window(self, name: str) -> None:
+        """Register a consumer's window; from now on every finished request is recorded in it.
+
+        Call it when the consumer is built, not at its first snapshot: a window opened by
+        its first snapshot misses the requests that finished before that tick.
+        """
+        win = TelemetryWindow()
+        win.start(now_s=time.monotonic(), **self._counters_now())
+        with self._lock:
+            if name in self._windows:
+                raise ValueError(f"feed window {name!r} is already open")
+            self._windows[name] = win
 
     # ---- inputs (any thread) ---------------------------------------------------------------
 
@@ -199,7 +215,7 @@ class LiveFeed:
     # ---- the tick ----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Snapshot every period_s until cancelled; the first one only opens the window."""
+        """Snapshot every period_s until cancelled."""
         self._loop = asyncio.get_running_loop()
         try:
             while True:
@@ -242,22 +258,20 @@ class LiveFeed:
         self._seen_stale = stale
 
     def snapshot(self, window: str = LIVE_WINDOW) -> TelemetryPayload:
-        """A telemetry payload now, with window figures since `window`'s previous snapshot."""
+        """A telemetry payload now, with window figures since `window`'s previous snapshot.
+
+        Raises KeyError for a window that open_window() did not register.
+        """
         with self._lock:
-            win = self._windows.get(window)
-            if win is None:
-                win = self._windows[window] = TelemetryWindow()
+            win = self._windows[window]
         state = self.state
         engine = state.engine
         sampler = state.device_sampler
         reading = sampler.latest() if sampler is not None else None
         policy = state.policy
-        counters = engine.counters if engine is not None else None
         figures = win.close(
             now_s=time.monotonic(),
-            generation_tokens=counters.generation_tokens if counters else 0,
-            prompt_tokens=counters.prompt_tokens if counters else 0,
-            energy_j=reading.energy_j if reading is not None else None,
+            **self._counters_now(),
             ttft_slo_ms=policy.ttft_slo_ms,
             tpot_slo_ms=policy.tpot_slo_ms,
         )
@@ -297,6 +311,19 @@ class LiveFeed:
             knobs=knobs,
             policy=policy_fields(policy),
         )
+
+    def _counters_now(self) -> dict[str, Any]:
+        """The cumulative counters a window's rates come from (an engine not yet built has
+        generated nothing; a device not yet read has no energy figure)."""
+        engine = self.state.engine
+        sampler = self.state.device_sampler
+        reading = sampler.latest() if sampler is not None else None
+        counters = engine.counters if engine is not None else None
+        return {
+            "generation_tokens": counters.generation_tokens if counters else 0,
+            "prompt_tokens": counters.prompt_tokens if counters else 0,
+            "energy_j": reading.energy_j if reading is not None else None,
+        }
 
     # ---- fan-out -------------------------------------------------------------------------------
 

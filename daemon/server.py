@@ -114,6 +114,8 @@ class Daemon:
     # ---- MQTT ---------------------------------------------------------------------------------
     def _build_mqtt(self) -> MqttLink:
         feed = self.feed
+        # Opened now, not at the first tick: a request that finishes before it still counts.
+        feed.open_window(_MQTT_WINDOW)
         link = MqttLink(
             self.cfg.mqtt,
             policy_handler=self._mqtt_policy_set,

@@ -47,6 +47,12 @@ class TelemetryWindow:
         self._tpot_ms: list[float | None] = []
         self._last: _Mark | None = None
 
+    def start(
+        self, *, now_s: float, generation_tokens: int, prompt_tokens: int, energy_j: float | None
+    ) -> None:
+        """Set the baseline for rates, so the first close() covers the time since now_s."""
+        self._last = _Mark(now_s, generation_tokens, prompt_tokens, energy_j)
+
     def record_request(self, ttft_ms: float, tpot_ms: float | None) -> None:
         """One finished request; tpot_ms is None for a request of one output token."""
         with self._lock:
@@ -65,7 +71,7 @@ class TelemetryWindow:
     ) -> WindowFigures:
         """End the window at now_s (monotonic seconds) given the cumulative counters.
 
-        The first call only sets the baseline for rates (they come back None).
+        Without start(), the first call only sets the baseline for rates (they come back None).
         """
         with self._lock:
             ttft, tpot = self._ttft_ms, self._tpot_ms

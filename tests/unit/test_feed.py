@@ -6,6 +6,8 @@ import asyncio
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import pytest
+
 from controller.controller import ControllerState, Decision, Reason
 from controller.policy import ControlMode, Knobs
 from daemon.api.state import ServingState
@@ -68,8 +70,9 @@ def _decision(seq: int, changed: tuple[str, ...], reason: Reason, apply: bool = 
 def test_each_consumer_has_its_own_window():
     state = _state()
     feed = LiveFeed(state)
+    feed.open_window("mqtt")
     feed.snapshot("live")
-    feed.snapshot("mqtt")  # both windows open at 1000 J, 0 tokens
+    feed.snapshot("mqtt")  # both rate baselines at 1000 J, 0 tokens
     state.engine.counters.generation_tokens = 100
     state.device_sampler.reading = Telemetry(timestamp_s=1.0, power_w=300.0, energy_j=1050.0)
     feed.record_request(ttft_s=0.5, tpot_s=0.05)
@@ -84,6 +87,32 @@ def test_each_consumer_has_its_own_window():
     assert mqtt.latency.ttft_p99_ms == 500.0 and mqtt.serving.energy_window_j == 50.0
     # And the next live window is empty again.
     assert feed.snapshot("live").latency.ttft_p99_ms is None
+
+
+def test_a_request_finished_before_a_consumers_first_tick_is_counted_by_it():
+    # A consumer's first tick can come after the first requests finish (the MQTT tick runs
+    # every telemetry_interval_ms from its start; a tiny model serves three requests in less).
+    state = _state()
+    feed = LiveFeed(state)
+    feed.open_window("mqtt")
+    feed.record_request(ttft_s=0.2, tpot_s=None)
+    state.engine.counters.generation_tokens = 8
+    first = feed.snapshot("mqtt")
+    assert first.serving.requests_finished == 1
+    assert first.latency.ttft_p50_ms == 200.0
+    # Its rates cover the time since the window was opened, not a later baseline.
+    assert first.window_s is not None and first.window_s > 0
+    assert (first.serving.generation_tokens_per_s or 0) > 0
+    assert feed.snapshot("mqtt").serving.requests_finished == 0
+
+
+def test_a_window_is_opened_once_and_only_opened_windows_are_closed():
+    feed = LiveFeed(_state())
+    feed.open_window("mqtt")
+    with pytest.raises(ValueError, match="already open"):
+        feed.open_window("mqtt")
+    with pytest.raises(KeyError):
+        feed.snapshot("never-opened")
 
 
 def test_decisions_publish_only_on_change_and_are_counted():
