@@ -11,13 +11,16 @@ Cache layout, per layer (one tensor for K, one for V):
 
 The functions here only read and write those tensors; which blocks belong to whom is
 the KV cache manager's business (daemon/engine/kv_cache.py), never decided here.
-Each fast path has a plain-torch reference that tests compare against.
+The C++ kernel (csrc/paged_attention.cpp) and its plain-torch twin take the same
+arguments; tests hold both against a token-by-token reference.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from wattserve_kernels.extension import load_cpu_kernels
 
 
 def write_kv(
@@ -33,80 +36,75 @@ def write_kv(
     v_cache.view(-1, kvh, d).index_copy_(0, slots, v)
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """cache [N, bs, KVH, D], block_tables [B, NB] -> [B, KVH, NB*bs, D]."""
-    b, nb = block_tables.shape
-    # index_select copies whole blocks (rows of bs*KVH*D): ~2.4x faster here than cache[bt].
-    g = cache.index_select(0, block_tables.reshape(-1))  # [B*NB, bs, KVH, D]
-    return g.view(b, nb * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """cache [N, bs, KVH, D], block_table [NB] -> the first `length` tokens, [1, KVH, L, D]."""
+    g = cache.index_select(0, block_table)  # [NB, bs, KVH, D]
+    return g.reshape(-1, cache.shape[2], cache.shape[3])[:length].transpose(0, 1).unsqueeze(0)
 
 
-def decode_attention_mask(context_lens: torch.Tensor, num_blocks: int, block_size: int):
-    """[B] context lengths -> [B, 1, 1, num_blocks * block_size] bool, True where attended.
-
-    Built once per step and shared by every layer.
-    """
-    length = num_blocks * block_size
-    mask = torch.arange(length).unsqueeze(0) < context_lens.unsqueeze(1)  # [B, L]
-    return mask[:, None, None, :]
-
-
-def prefill_attention_mask(start_pos: int, num_tokens: int) -> torch.Tensor | None:
-    """Causal mask of a chunk after start_pos cached tokens: [T, start_pos + T] bool.
-
-    None for a chunk that starts the sequence (plain causal attention then).
-    """
-    if start_pos == 0:
-        return None
-    ctx = start_pos + num_tokens
-    q_pos = torch.arange(start_pos, ctx).unsqueeze(1)  # [T, 1]
-    return torch.arange(ctx).unsqueeze(0) <= q_pos
-
-
-def paged_decode_attention(
+def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
-    mask: torch.Tensor,
+    query_start: torch.Tensor,
+    context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One new token per sequence.
+    """Causal attention of every query token of a step over its sequence's cached context.
 
-    q: [B, H, D]; block_tables: [B, NB] int64 (rows padded with any valid block id);
-    mask: from decode_attention_mask. Returns [B, H, D].
+    Sequence b's query tokens are rows query_start[b]:query_start[b+1] of q and sit at the
+    end of its context of context_lens[b] tokens (their own K/V already written): one row
+    for a decode, a chunk for a prefill. q: [T, H, D]; block_tables: [B, NB] int64, rows
+    padded with any valid block id; query_start: [B + 1] int64; context_lens: [B] int64.
+    Returns [T, H, D]. On the CPU the C++ kernel reads K/V blocks in place (no gathered
+    copy, no mask); elsewhere, or where it could not be built, paged_attention_torch serves.
     """
-    k = _gather(k_cache, block_tables)  # [B, KVH, L, D]
-    v = _gather(v_cache, block_tables)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
-    )  # [B, H, 1, D]
-    return out.squeeze(2)
+    if q.device.type == "cpu" and load_cpu_kernels():
+        return torch.ops.wattserve.paged_attention(
+            q, k_cache, v_cache, block_tables, query_start, context_lens, scale
+        )
+    return paged_attention_torch(
+        q, k_cache, v_cache, block_tables, query_start, context_lens, scale
+    )
 
 
-def paged_prefill_attention(
+def paged_attention_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    mask: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """A chunk of T consecutive tokens of one sequence, after `mask`'s start_pos cached ones.
-
-    The chunk's own keys/values are already written to the cache. q: [T, H, D];
-    block_table: [NB] int64 covering the chunk; mask: from prefill_attention_mask
-    (None when the chunk starts the sequence). Returns [T, H, D].
-    """
-    t = q.shape[0]
-    ctx = t if mask is None else mask.shape[1]
-    k = _gather(k_cache, block_table.unsqueeze(0))[:, :, :ctx]  # [1, KVH, ctx, D]
-    v = _gather(v_cache, block_table.unsqueeze(0))[:, :, :ctx]
-    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
-    out = F.scaled_dot_product_attention(
-        qh, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-    )
-    return out.squeeze(0).transpose(0, 1)  # [T, H, D]
+    """paged_attention in plain torch: each sequence's context gathered, then SDPA."""
+    bs = k_cache.shape[1]
+    starts = query_start.tolist()
+    out = torch.empty_like(q)
+    for b, ctx in enumerate(context_lens.tolist()):
+        q0, q1 = starts[b], starts[b + 1]
+        n = q1 - q0
+        table = block_tables[b, : -(-ctx // bs)]
+        k = _gather(k_cache, table, ctx)  # [1, KVH, ctx, D]
+        v = _gather(v_cache, table, ctx)
+        mask = None
+        if n > 1 and ctx > n:  # a chunk after cached tokens: causal from its offset
+            mask = torch.arange(ctx, device=q.device) <= torch.arange(
+                ctx - n, ctx, device=q.device
+            ).unsqueeze(1)
+        qh = q[q0:q1].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        o = F.scaled_dot_product_attention(
+            qh,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=n > 1 and mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[q0:q1] = o.squeeze(0).transpose(0, 1)
+    return out
 
 
 def attention_reference(

@@ -171,12 +171,14 @@ class Engine:
         self.counters = EngineCounters()
         self.last_step: StepStats | None = None
         log.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB; max_model_len %d",
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB; max_model_len %d; "
+            "attention: %s",
             num_blocks,
             options.block_size_tokens,
             self.kv_spec.capacity_tokens,
             self.kv_spec.total_bytes / 2**20,
             self.max_model_len,
+            self.model.attention_backend,
         )
         log.info(
             "quantization: level %s; allowed %s; weight MiB per level (prepare=%s): %s%s",

@@ -19,13 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from daemon.engine.scheduler import ScheduledChunk
-from wattserve_kernels.attention import (
-    decode_attention_mask,
-    paged_decode_attention,
-    paged_prefill_attention,
-    prefill_attention_mask,
-    write_kv,
-)
+from wattserve_kernels.attention import paged_attention, write_kv
+from wattserve_kernels.extension import load_cpu_kernels
 from wattserve_kernels.linear import Linear
 from wattserve_kernels.norm_rope import RotaryTable, apply_rope, rms_norm
 from wattserve_kernels.quant import (
@@ -75,16 +70,14 @@ class ModelShape:
 
 @dataclass
 class StepInputs:
-    """One step's tensors, decode tokens first, then each prefill chunk in order."""
+    """One step's tensors: every scheduled chunk's tokens, chunk after chunk."""
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     slots: torch.Tensor  # [T] int64 flat cache slot of each token
-    num_decode: int
-    decode_block_tables: torch.Tensor | None  # [num_decode, NB] int64
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, NB * block_size] bool
-    # (token offset, T_i, block table [NB_i], causal mask [T_i, ctx] or None)
-    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
+    block_tables: torch.Tensor  # [B, NB] int64, one row per chunk, padded
+    query_start: torch.Tensor  # [B + 1] int64: chunk b's tokens are rows [b] .. [b+1]
+    context_lens: torch.Tensor  # [B] int64: chunk b's sequence length after this step
     logits_indices: torch.Tensor  # [N] rows of the flat batch that get logits
     sampled_chunks: list[ScheduledChunk]  # the N chunks whose logits those are, in order
 
@@ -138,6 +131,8 @@ class LlamaModel:
         cache_shape = (num_blocks, block_size, s.num_kv_heads, s.head_dim)
         self.k_cache = [torch.zeros(cache_shape, dtype=dtype) for _ in range(s.num_layers)]
         self.v_cache = [torch.zeros(cache_shape, dtype=dtype) for _ in range(s.num_layers)]
+        # Built (first start on this machine) or loaded now, not in the first request's step.
+        self.attention_backend = "cpp" if load_cpu_kernels() else "torch"
 
     @staticmethod
     def _take_layer(layer, dtype: torch.dtype) -> LayerWeights:
@@ -240,52 +235,35 @@ class LlamaModel:
     def prepare(self, chunks: list[ScheduledChunk], tables: dict[str, list[int]]) -> StepInputs:
         """Lay out a plan's chunks as flat tensors; block ids come from the KV manager."""
         bs = self.block_size
-        decode = [c for c in chunks if c.num_tokens == 1]
-        prefill = [c for c in chunks if c.num_tokens > 1]
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
+        query_start = [0]
+        context_lens: list[int] = []
+        rows: list[list[int]] = []
         logit_rows: list[int] = []
         sampled: list[ScheduledChunk] = []
-        for c in decode:
+        for c in chunks:
             table = tables[c.seq.seq_id]
-            p = c.start
-            ids.extend(c.seq.token_ids(p, p + 1))
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-            if c.samples:
-                logit_rows.append(len(ids) - 1)
-                sampled.append(c)
-        dec_tables = dec_mask = None
-        if decode:
-            width = max(len(tables[c.seq.seq_id]) for c in decode)
-            dec_tables = torch.tensor(
-                [_pad(tables[c.seq.seq_id], width) for c in decode], dtype=torch.long
-            )
-            lens = torch.tensor([c.start + 1 for c in decode], dtype=torch.long)
-            dec_mask = decode_attention_mask(lens, width, bs)
-        pre: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
-        for c in prefill:
-            table = tables[c.seq.seq_id]
-            offset = len(ids)
-            ids.extend(c.seq.token_ids(c.start, c.start + c.num_tokens))
-            positions = range(c.start, c.start + c.num_tokens)
+            end = c.start + c.num_tokens
+            ids.extend(c.seq.token_ids(c.start, end))
+            positions = range(c.start, end)
             pos.extend(positions)
             slots.extend(table[p // bs] * bs + p % bs for p in positions)
-            needed = -(-(c.start + c.num_tokens) // bs)
-            mask = prefill_attention_mask(c.start, c.num_tokens)
-            pre.append((offset, c.num_tokens, torch.tensor(table[:needed]), mask))
+            query_start.append(len(ids))
+            context_lens.append(end)
+            rows.append(table[: -(-end // bs)])
             if c.samples:
                 logit_rows.append(len(ids) - 1)
                 sampled.append(c)
+        width = max((len(r) for r in rows), default=0)
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long),
             positions=torch.tensor(pos, dtype=torch.long),
             slots=torch.tensor(slots, dtype=torch.long),
-            num_decode=len(decode),
-            decode_block_tables=dec_tables,
-            decode_mask=dec_mask,
-            prefills=pre,
+            block_tables=torch.tensor([_pad(r, width) for r in rows], dtype=torch.long),
+            query_start=torch.tensor(query_start, dtype=torch.long),
+            context_lens=torch.tensor(context_lens, dtype=torch.long),
             logits_indices=torch.tensor(logit_rows, dtype=torch.long),
             sampled_chunks=sampled,
         )
@@ -319,24 +297,15 @@ class LlamaModel:
         return active.lm_head(last).float()
 
     def _attention(self, layer: int, q: torch.Tensor, inp: StepInputs) -> torch.Tensor:
-        kc, vc = self.k_cache[layer], self.v_cache[layer]
-        parts: list[torch.Tensor] = []
-        if inp.num_decode:
-            parts.append(
-                paged_decode_attention(
-                    q[: inp.num_decode],
-                    kc,
-                    vc,
-                    inp.decode_block_tables,
-                    inp.decode_mask,
-                    self.scale,
-                )
-            )
-        for offset, n, table, mask in inp.prefills:
-            parts.append(
-                paged_prefill_attention(q[offset : offset + n], kc, vc, table, mask, self.scale)
-            )
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return paged_attention(
+            q.contiguous(),
+            self.k_cache[layer],
+            self.v_cache[layer],
+            inp.block_tables,
+            inp.query_start,
+            inp.context_lens,
+            self.scale,
+        )
 
 
 def _qkv_bias(att) -> torch.Tensor | None:
@@ -351,5 +320,5 @@ def _linear_bytes(layers: list[LayerWeights], lm_head: LinearLike) -> int:
 
 
 def _pad(table: list[int], width: int) -> list[int]:
-    # Padding points at block 0; the context-length mask hides it.
+    # Padding points at block 0; attention reads no further than the context length.
     return table + [0] * (width - len(table))

@@ -227,7 +227,17 @@ def test_switching_from_another_thread_while_levels_are_built_lazily(tiny_llama)
     engine = make_engine(tiny_llama)
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     levels_seen: list[str] = []
-    engine.add_step_hook(lambda stats: levels_seen.append(stats.quant_level))
+    first_switch = threading.Event()
+
+    def hook(stats) -> None:
+        levels_seen.append(stats.quant_level)
+        # The first step waits for the first switch to be built and handed over, so the
+        # requests cannot all finish before it lands (on a loaded machine they did); the
+        # later levels are built while the loop keeps stepping.
+        if len(levels_seen) == 1:
+            assert first_switch.wait(60), "the first switch never returned"
+
+    engine.add_step_hook(hook)
     finished: list[RequestOutput] = []
     done = threading.Event()
 
@@ -242,6 +252,7 @@ def test_switching_from_another_thread_while_levels_are_built_lazily(tiny_llama)
             if done.wait(0.01):
                 return
             engine.set_quant_level(level)
+            first_switch.set()
 
     engine.start()
     try:

@@ -10,12 +10,11 @@ import torch.nn.functional as F
 
 from wattserve_kernels.attention import (
     attention_reference,
-    decode_attention_mask,
-    paged_decode_attention,
-    paged_prefill_attention,
-    prefill_attention_mask,
+    paged_attention,
+    paged_attention_torch,
     write_kv,
 )
+from wattserve_kernels.extension import load_cpu_kernels
 from wattserve_kernels.linear import Linear
 from wattserve_kernels.norm_rope import (
     RotaryTable,
@@ -68,34 +67,59 @@ def test_write_kv_puts_each_token_in_its_slot():
     assert k_cache.abs().sum() == pytest.approx(k.abs().sum().item(), rel=1e-6)
 
 
-def test_paged_decode_attention_matches_reference():
-    k_cache, v_cache = _random_cache()
-    rng = random.Random(0)
-    blocks = list(range(24))
+def _mixed_step(seed: int, dtype: torch.dtype):
+    """A step of five sequences on a shuffled pool: decodes (one query after a context),
+    a prefill from position 0, and chunks after cached tokens, some longer than a query
+    tile of the C++ kernel (16). Returns the kernel's arguments and each sequence's
+    (block table, query positions)."""
+    k_cache, v_cache = _random_cache(num_blocks=64, seed=seed)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    rng = random.Random(seed)
+    blocks = list(range(64))
     rng.shuffle(blocks)
-    lens = [1, 7, 13, 4]
-    tables = [blocks[0:1], blocks[1:3], blocks[3:7], blocks[7:8]]
-    q = torch.randn(4, 4, 16, generator=torch.Generator().manual_seed(3))  # [B, H, D]
-    width = max(map(len, tables))
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    mask = decode_attention_mask(torch.tensor(lens), width, k_cache.shape[1])
-    out = paged_decode_attention(q, k_cache, v_cache, bt, mask, 0.25)
-    for b in range(4):
-        ref = attention_reference(q[b : b + 1], k_cache, v_cache, tables[b], [lens[b] - 1], 0.25)
-        torch.testing.assert_close(out[b : b + 1], ref, **FP32_TOL)
+    bs = k_cache.shape[1]
+    # (cached tokens before the queries, query tokens)
+    shapes = [(0, 1), (12, 1), (0, 21), (8, 6), (5, 40)]
+    seqs, q_rows, used = [], 0, 0
+    for cached, n in shapes:
+        ctx = cached + n
+        nb = -(-ctx // bs)
+        seqs.append((blocks[used : used + nb], list(range(cached, ctx)), q_rows))
+        used += nb
+        q_rows += n
+    q = torch.randn(q_rows, 4, 16, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    width = max(len(t) for t, _, _ in seqs)
+    bt = torch.tensor([t + [blocks[-1]] * (width - len(t)) for t, _, _ in seqs])
+    query_start = torch.tensor([r for _, _, r in seqs] + [q_rows])
+    context_lens = torch.tensor([pos[-1] + 1 for _, pos, _ in seqs])
+    return (q, k_cache, v_cache, bt, query_start, context_lens), seqs
 
 
-@pytest.mark.parametrize("start", [0, 5, 8])
-def test_paged_prefill_attention_matches_reference(start):
-    k_cache, v_cache = _random_cache(seed=4)
-    table = [9, 3, 17, 2, 11]
-    n = 6
-    q = torch.randn(n, 4, 16, generator=torch.Generator().manual_seed(5))
-    mask = prefill_attention_mask(start, n)
-    assert (mask is None) == (start == 0)
-    out = paged_prefill_attention(q, k_cache, v_cache, torch.tensor(table), mask, 0.25)
-    ref = attention_reference(q, k_cache, v_cache, table, list(range(start, start + n)), 0.25)
-    torch.testing.assert_close(out, ref, **FP32_TOL)
+IMPLEMENTATIONS = {"dispatch": paged_attention, "torch": paged_attention_torch}
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLEMENTATIONS))
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)])
+def test_paged_attention_matches_reference(impl, dtype, tol):
+    args, seqs = _mixed_step(seed=3, dtype=dtype)
+    q, k_cache, v_cache = args[:3]
+    out = IMPLEMENTATIONS[impl](*args, 0.25)
+    assert out.shape == q.shape and out.dtype == dtype
+    for table, positions, row in seqs:
+        rows = slice(row, row + len(positions))
+        ref = attention_reference(q[rows], k_cache, v_cache, table, positions, 0.25)
+        torch.testing.assert_close(out[rows].float(), ref, **tol)
+
+
+def test_the_cpu_kernel_is_built_here_and_serves_the_dispatch():
+    # make test runs on a machine with g++: the fast path must really be the one tested.
+    assert load_cpu_kernels()
+    args, _ = _mixed_step(seed=5, dtype=torch.float32)
+    torch.testing.assert_close(
+        torch.ops.wattserve.paged_attention(*args, 0.25),
+        paged_attention_torch(*args, 0.25),
+        **FP32_TOL,
+    )
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 16, 70])

@@ -1,0 +1,179 @@
+// Paged attention on the CPU that reads K/V blocks in place through the block tables.
+//
+// One op for every step: each sequence brings n_b query tokens (1 for a decode, a chunk
+// for a prefill) that sit at the end of its context of context_len_b tokens, and each
+// query token attends causally to every cached position up to its own. Keys and values
+// are read where they lie in the block pool (no gathered copy, no mask tensor); the
+// query heads that share a KV head are handled together so each K/V row is loaded once
+// for all of them; softmax is computed online (running max and sum) in float32.
+//
+// Shapes (all contiguous):
+//   q            [T, H, D]           the step's query tokens, sequence after sequence
+//   k_cache      [N, bs, KVH, D]     one layer's block pool (v_cache alike)
+//   block_tables [B, NB] int64       block ids of each sequence, rows padded with any id
+//   query_start  [B + 1] int64       sequence b's queries are rows query_start[b] .. [b+1]
+//   context_lens [B] int64           tokens in sequence b's context, its queries included
+//   returns      [T, H, D]           in q's dtype
+//
+// It must not allocate per token, and it does not write the cache (write_kv does).
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Query tokens handled by one work item: enough to reuse each K/V block from L1 across
+// them, few enough that a long prefill still splits into many items for the threads.
+constexpr int64_t kQueryTile = 16;
+
+template <typename scalar_t>
+inline float dot_row(const float* q, const scalar_t* k, int64_t d) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < d; ++i) acc += q[i] * static_cast<float>(k[i]);
+  return acc;
+}
+
+template <typename scalar_t>
+inline void axpy_row(float* acc, float p, const scalar_t* v, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) acc[i] += p * static_cast<float>(v[i]);
+}
+
+struct WorkItem {
+  int64_t seq;
+  int64_t kv_head;
+  int64_t q_begin;  // query tokens [q_begin, q_end) of this sequence, 0-based within it
+  int64_t q_end;
+};
+
+template <typename scalar_t>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& block_tables, const at::Tensor& query_start,
+         const at::Tensor& context_lens, double scale, at::Tensor& out) {
+  const int64_t H = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), KVH = k_cache.size(2);
+  const int64_t G = H / KVH;  // query heads per KV head
+  const int64_t B = context_lens.size(0), NB = block_tables.size(1);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* qs = query_start.data_ptr<int64_t>();
+  const int64_t* cl = context_lens.data_ptr<int64_t>();
+  const int64_t token_stride = KVH * D;  // between two tokens of a block
+  const int64_t block_stride = bs * KVH * D;
+
+  std::vector<WorkItem> work;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t nq = qs[b + 1] - qs[b];
+    for (int64_t g = 0; g < KVH; ++g)
+      for (int64_t t0 = 0; t0 < nq; t0 += kQueryTile)
+        work.push_back({b, g, t0, std::min(nq, t0 + kQueryTile)});
+  }
+
+  at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
+    const int64_t rows_max = kQueryTile * G;
+    std::vector<float> qf(rows_max * D), acc(rows_max * D), m(rows_max), l(rows_max);
+    std::vector<float> s(bs);
+    for (int64_t w = begin; w < end; ++w) {
+      const WorkItem& it = work[w];
+      const int64_t nq = qs[it.seq + 1] - qs[it.seq];
+      const int64_t first_pos = cl[it.seq] - nq;  // position of the sequence's first query
+      const int64_t rows = (it.q_end - it.q_begin) * G;
+      for (int64_t i = 0; i < it.q_end - it.q_begin; ++i) {
+        const scalar_t* src = qp + ((qs[it.seq] + it.q_begin + i) * H + it.kv_head * G) * D;
+        for (int64_t j = 0; j < G * D; ++j)
+          qf[i * G * D + j] = static_cast<float>(src[j]) * static_cast<float>(scale);
+      }
+      std::fill(acc.begin(), acc.begin() + rows * D, 0.f);
+      std::fill(m.begin(), m.begin() + rows, -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.begin() + rows, 0.f);
+      const int64_t last_pos = first_pos + it.q_end - 1;
+      const int64_t* table = bt + it.seq * NB;
+      for (int64_t j = 0; j * bs <= last_pos; ++j) {
+        const int64_t base = j * bs;
+        const scalar_t* kb = kp + table[j] * block_stride + it.kv_head * D;
+        const scalar_t* vb = vp + table[j] * block_stride + it.kv_head * D;
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t pos = first_pos + it.q_begin + r / G;
+          const int64_t n = std::min(bs, pos - base + 1);  // causal: keys up to pos
+          if (n <= 0) continue;
+          const float* qr = qf.data() + r * D;
+          float mx = m[r];
+          for (int64_t o = 0; o < n; ++o) {
+            s[o] = dot_row(qr, kb + o * token_stride, D);
+            mx = std::max(mx, s[o]);
+          }
+          float* ar = acc.data() + r * D;
+          const float corr = std::exp(m[r] - mx);  // exp(-inf) = 0 on the first block
+          float sum = l[r] * corr;
+          if (corr != 1.f) {
+#pragma omp simd
+            for (int64_t i = 0; i < D; ++i) ar[i] *= corr;
+          }
+          for (int64_t o = 0; o < n; ++o) {
+            const float p = std::exp(s[o] - mx);
+            sum += p;
+            axpy_row(ar, p, vb + o * token_stride, D);
+          }
+          m[r] = mx;
+          l[r] = sum;
+        }
+      }
+      for (int64_t i = 0; i < it.q_end - it.q_begin; ++i) {
+        scalar_t* dst = op + ((qs[it.seq] + it.q_begin + i) * H + it.kv_head * G) * D;
+        for (int64_t h = 0; h < G; ++h) {
+          const int64_t r = i * G + h;
+          const float inv = 1.f / l[r];
+          for (int64_t k = 0; k < D; ++k)
+            dst[h * D + k] = static_cast<scalar_t>(acc[r * D + k] * inv);
+        }
+      }
+    }
+  });
+}
+
+at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, const at::Tensor& block_tables,
+                               const at::Tensor& query_start, const at::Tensor& context_lens,
+                               double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "paged_attention: q [T, H, D], caches [N, bs, KVH, D]");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_attention: q and the caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "paged_attention: dtype mismatch");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+              "paged_attention: head_dim differs or H is not a multiple of KVH");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_start.scalar_type() == at::kLong &&
+                  context_lens.scalar_type() == at::kLong,
+              "paged_attention: block_tables, query_start, context_lens must be int64");
+  TORCH_CHECK(query_start.size(0) == context_lens.size(0) + 1 &&
+                  block_tables.size(0) == context_lens.size(0),
+              "paged_attention: one block table and one context length per sequence");
+  auto bt = block_tables.contiguous();
+  auto qs = query_start.contiguous();
+  auto cl = context_lens.contiguous();
+  auto out = at::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_attention", [&] {
+    run<scalar_t>(q, k_cache, v_cache, bt, qs, cl, scale, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(wattserve, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor query_start, Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(wattserve, CPU, m) { m.impl("paged_attention", &paged_attention_cpu); }

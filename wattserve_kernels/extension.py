@@ -1,0 +1,87 @@
+"""Builds and loads the project's C++ CPU kernels (wattserve_kernels/csrc/) once per machine.
+
+torch.utils.cpp_extension compiles the sources with the local C++ compiler (g++, and ninja
+from PyPI) on first use, for this CPU's instruction set (-march=native), and keeps the
+library in torch's extension cache (`$TORCH_EXTENSIONS_DIR`, default
+~/.cache/torch_extensions); later processes load it in well under a second. The build's
+name carries a hash of the sources, the torch version and the CPU's flags, so a changed
+kernel or another processor gets its own build. Loading registers the ops under
+`torch.ops.wattserve`. Where the build fails (no compiler), `load_cpu_kernels()` returns
+False, says why once in the log, and callers take their plain-torch paths. It must not
+decide which path a step takes (attention.py does).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = ("paged_attention.cpp",)
+# WATTSERVE_CPU_KERNELS=0 turns the C++ kernels off (the plain-torch paths serve).
+_ENV_SWITCH = "WATTSERVE_CPU_KERNELS"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_name() -> str:
+    """The extension's name: changes with the sources, torch and the CPU's instruction set."""
+    h = hashlib.sha256()
+    for src in _SOURCES:
+        h.update((_CSRC / src).read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_flags().encode())
+    return f"wattserve_cpu_kernels_{h.hexdigest()[:12]}"
+
+
+# Process-wide by nature: loading registers ops in torch's own global registry, once.
+@functools.cache
+def load_cpu_kernels() -> bool:
+    """Build (first time on this machine) and load the kernels; False when unavailable."""
+    if os.environ.get(_ENV_SWITCH, "1") == "0":
+        log.info("C++ CPU kernels off (%s=0): plain-torch attention", _ENV_SWITCH)
+        return False
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.load(
+            name=build_name(),
+            sources=[str(_CSRC / s) for s in _SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # a missing compiler raises several types; all mean "not here"
+        first = str(e).strip().splitlines()[:1]
+        log.warning(
+            "C++ CPU kernels unavailable, using plain-torch attention: %s: %s",
+            type(e).__name__,
+            first[0] if first else "",
+        )
+        return False
+    _register_fake()
+    return True
+
+
+def _register_fake() -> None:
+    """Shape-only implementations, so a traced or fake-tensor step sees the ops' outputs."""
+
+    @torch.library.register_fake("wattserve::paged_attention")
+    def _(q, k_cache, v_cache, block_tables, query_start, context_lens, scale):
+        return torch.empty_like(q)
