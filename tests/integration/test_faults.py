@@ -1,23 +1,30 @@
-"""Faults on a running daemon: the engine loop dying is never silent.
+"""Faults on a running daemon: the engine loop dying, a state file that takes no writes.
 
-The fault is injected by making the scheduler raise on the engine thread (outside a
-batch's forward) while a streaming and a non-streaming request are in flight. The
+The engine fault is injected by making the scheduler raise on the engine thread (outside
+a batch's forward) while a streaming and a non-streaming request are in flight. The
 shutdown that follows is held until the test has looked at the server in its failed
-phase, then released; the daemon's run() must return EXIT_ENGINE_FAULT.
+phase, then released; the daemon's run() must return EXIT_ENGINE_FAULT. The state-file
+fault makes every write of it fail before a clean shutdown (a real Mosquitto broker
+watches): the GPU must still be restored, `stop` and `offline` still go out, exit 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 
 import httpx
 
 from daemon.api.state import Phase
+from daemon.device.protocol import StateFileError
+from daemon.device.state import StateFile
+from daemon.mqtt import Topics
 from daemon.server import EXIT_ENGINE_FAULT
 from tests.api_server import api_config, running_server
+from tests.mqtt_broker import Recorder, is_status, run
 
 WAIT_S = 30.0
 
@@ -106,3 +113,51 @@ def test_engine_loop_death_fails_requests_refuses_work_and_exits_non_zero(tiny_l
     # Leaving the context checked that run() returned EXIT_ENGINE_FAULT.
     stops = [e for e in daemon.feed.recent_events() if e.kind == "stop"]
     assert stops and stops[-1].data["exit_code"] == EXIT_ENGINE_FAULT
+
+
+def test_shutdown_restores_the_device_and_goes_offline_when_the_state_file_fails(
+    broker, tiny_llama, tmp_path, monkeypatch, caplog
+) -> None:
+    node = "faults-state-file"
+    t = Topics.for_node("wattserve", node)
+    cfg = api_config(
+        device={"backend": "virtual", "mode": "control", "state_dir": str(tmp_path)},
+        controller={"mode": "observe"},
+        mqtt={
+            "enabled": True,
+            "host": "127.0.0.1",
+            "port": broker.port,
+            "node_id": node,
+            "shutdown_timeout_ms": 5000,
+        },
+    )
+
+    def refuse(self, *args, **kwargs):
+        raise StateFileError(f"cannot write state file {self.path}: Read-only file system")
+
+    async def body() -> None:
+        async with Recorder(broker, t.status, t.events) as sub:
+            cm = running_server(cfg, tiny_llama)  # asserts run() returned 0 on leaving
+            srv = await asyncio.to_thread(cm.__enter__)
+            try:
+                device = srv.daemon.state.device
+                gpu = device.backend
+                assert device.set_power_limit_w(400).in_force
+                assert device.lock_sm_clocks_mhz(1005, 1500).in_force
+                # From now on the state directory takes no writes (read-only, full, gone).
+                monkeypatch.setattr(StateFile, "_write", refuse)
+                monkeypatch.setattr(StateFile, "clear", refuse)
+            finally:
+                with caplog.at_level(logging.ERROR):
+                    await asyncio.to_thread(cm.__exit__, None, None, None)
+            assert gpu.current_power_limit_w() == 700.0
+            assert gpu.current_sm_clock_lock_mhz() is None
+            await sub.wait_for(t.status, is_status("offline", "shutdown"))
+            order = [m.json().get("kind") or m.json().get("state") for m in sub.messages]
+            assert order.index("stop") < order.index("offline")
+            stop = next(m.json() for m in sub.on(t.events) if m.json()["kind"] == "stop")
+            assert stop["data"]["exit_code"] == 0
+        failures = [r for r in caplog.records if "Read-only file system" in r.getMessage()]
+        assert len(failures) == 1, [r.getMessage() for r in failures]
+
+    run(body, 120.0)
