@@ -96,6 +96,8 @@ class ManagedDevice:
         self._closed = False
         for knob, reason in backend.unsupported_knobs().items():
             gate.mark_unavailable(knob, reason)
+        if gate.mode == "control":  # observe mode writes nothing, so it removes nothing
+            state.remove_leftover_temp_files()
 
     @property
     def backend(self) -> DeviceBackend:
