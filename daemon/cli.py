@@ -48,9 +48,32 @@ def _config_from_args(args: argparse.Namespace) -> Config:
     return load_config(args.config, overrides)
 
 
+REDACTED = "<redacted>"
+
+
+def _is_secret(key: str) -> bool:
+    """A field holding a secret itself (api_token, a password); *_file fields hold paths."""
+    return key.endswith(("token", "password", "secret"))
+
+
+def redact_secrets(cfg: Config) -> Config:
+    """A copy for display with every secret that is set replaced by REDACTED."""
+    sections = {}
+    for name in type(cfg).model_fields:
+        section = getattr(cfg, name)
+        secrets = {
+            key: REDACTED
+            for key in type(section).model_fields
+            if _is_secret(key) and getattr(section, key) is not None
+        }
+        if secrets:
+            sections[name] = section.model_copy(update=secrets)
+    return cfg.model_copy(update=sections)
+
+
 def _cmd_config_show(args: argparse.Namespace) -> int:
     cfg = _config_from_args(args)
-    print(render_toml(cfg), end="")
+    print(render_toml(redact_secrets(cfg)), end="")  # it ends up in terminals and tickets
     return 0
 
 
@@ -157,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("config", help="configuration")
     csub = p.add_subparsers(dest="config_command", required=True)
-    show = csub.add_parser("show", help="print the effective configuration as TOML")
+    show = csub.add_parser(
+        "show", help="print the effective configuration as TOML (secrets redacted)"
+    )
     _add_config_flags(show)
     show.set_defaults(func=_cmd_config_show)
 

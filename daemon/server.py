@@ -12,6 +12,10 @@ refuse new connections instead of answering them 503.
 With [mqtt] enabled, the MQTT link starts first (the broker sees `online`, phase
 loading), follows the phase, publishes the live feed's events and telemetry, takes
 `policy/set` through the same path as HTTP PUT, and says `offline` last.
+If the engine loop dies, its requests end with an error, /ready and new requests get 503,
+an `engine_fault` event goes out, and the process exits EXIT_ENGINE_FAULT after the same
+shutdown (device restored, `stop`, `offline`) so that systemd restarts it. Each shutdown
+step runs even when one before it failed.
 This module wires parts together; it must not hold API or engine logic.
 """
 
@@ -60,6 +64,8 @@ _STATUS_INTERVAL_S = 5.0
 _FEED_PERIOD_S = 1.0
 # The window the MQTT telemetry closes on the live feed (its own period, mqtt.*_ms).
 _MQTT_WINDOW = "mqtt"
+# The exit code after the engine loop died (EX_SOFTWARE): non-zero, so systemd restarts us.
+EXIT_ENGINE_FAULT = 70
 
 
 class _Server(uvicorn.Server):
@@ -100,6 +106,7 @@ class Daemon:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._shutdown: asyncio.Event | None = None
         self._signals = 0
+        self._engine_fault: BaseException | None = None
         self.address: tuple[str, int] | None = None
         # For callers on other threads (tests): set once ready, or once run() gave up.
         self.ready = threading.Event()
@@ -196,6 +203,34 @@ class Daemon:
         )
         self._shutdown.set()
 
+    def _engine_died(self, error: BaseException) -> None:
+        """The engine's fault hook (engine thread): its requests have ended with an error."""
+        if self._loop is not None and not self._loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                self._loop.call_soon_threadsafe(self._on_engine_fault, error)
+
+    def _on_engine_fault(self, error: BaseException) -> None:
+        if self._engine_fault is not None:
+            return
+        self._engine_fault = error
+        self._set_phase(Phase.FAILED)  # /ready and new requests: 503 from here on
+        log.error(
+            "the engine loop died (%s: %s): exiting with code %d for a restart",
+            type(error).__name__,
+            error,
+            EXIT_ENGINE_FAULT,
+        )
+        self.notifier.stopping("engine fault")
+        self.feed.publish_event(
+            "engine_fault",
+            f"the engine loop died ({type(error).__name__}); exiting for a restart",
+            {"error": type(error).__name__, "exit_code": EXIT_ENGINE_FAULT},
+        )
+        if self._shutdown is not None and not self._shutdown.is_set():
+            # The engine already ended every request; the drain lets their errors flush.
+            self.state.drain_deadline_s = time.monotonic() + self.cfg.server.drain_timeout_s
+            self._shutdown.set()
+
     # ---- the life ----------------------------------------------------------------------------
     async def run(self, sock: socket.socket | None = None, install_signals: bool = True) -> int:
         self._loop = asyncio.get_running_loop()
@@ -246,6 +281,8 @@ class Daemon:
                 await self._shutdown.wait()
                 await self._drain()
                 code = 0
+            if self._engine_fault is not None:
+                code = EXIT_ENGINE_FAULT  # also when the fault came during the warm-up
             return code
         finally:
             self._set_phase(Phase.DRAINING)  # whatever arrives while uvicorn stops gets 503
@@ -255,18 +292,24 @@ class Daemon:
             if install_signals:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     self._loop.remove_signal_handler(sig)
-            engine = self.state.engine
+            # Each step on its own: a failure in one must not skip the device restore,
+            # the `stop` event or `offline` (each failure is logged where it happens).
+            engine, device = self.state.engine, self.state.device
             if self.state.control_loop is not None:
-                self.state.control_loop.stop()
+                _shutdown_step("control loop stop", self.state.control_loop.stop)
             if engine is not None:
-                engine.stop(abort_pending=True)
+                _shutdown_step("engine stop", lambda: engine.stop(abort_pending=True))
             if self.state.device_sampler is not None:
-                self.state.device_sampler.stop()
-            if self.state.device is not None:
-                self.state.device.close(restore=True)  # settings this run changed go back
+                _shutdown_step("device sampler stop", self.state.device_sampler.stop)
+            if device is not None:
+                # Settings this run changed go back.
+                _shutdown_step("device restore", lambda: device.close(restore=True))
             self.feed.publish_event("stop", f"stopped (exit code {code})", {"exit_code": code})
             if self.mqtt is not None:
-                await self.mqtt.stop()  # the stop event goes out, then `offline`
+                try:
+                    await self.mqtt.stop()  # the stop event goes out, then `offline`
+                except Exception:
+                    log.exception("shutdown: MQTT stop failed")
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
@@ -305,6 +348,7 @@ class Daemon:
         if not self._attach_device(engine):
             return 1
         engine.add_step_hook(self.state.metrics.on_step)
+        engine.add_fault_hook(self._engine_died)
         engine.start()
         self.state.engine = engine
         self._set_phase(Phase.WARMING)
@@ -463,6 +507,13 @@ class Daemon:
             while state.in_flight > 0 and time.monotonic() < flush_until:
                 await asyncio.sleep(_POLL_S)
         log.info("drained")
+
+
+def _shutdown_step(what: str, step: Callable[[], object]) -> None:
+    try:
+        step()
+    except Exception:
+        log.exception("shutdown: %s failed; continuing", what)
 
 
 def _url_host(host: str) -> str:

@@ -16,12 +16,22 @@
 # and cache directories (/var/lib/wattserve, /var/cache/wattserve) at start.
 #
 # --root DIR   install under DIR instead of / (staging, tests); systemctl is not called.
-#              A venv made there works only at that path.
+#              A venv made there works only at that path. DIR must be owned by the user
+#              running this and writable by no one else.
 # --control    also enable control mode (CAP_SYS_ADMIN; see docs/systemd.md).
 # --no-venv    leave /opt/wattserve's Python environment alone (files only).
 # --uninstall  stop and disable the service, remove the unit, the drop-in and /opt/wattserve;
 #              keep /etc/wattserve and the service's state and cache, unless --purge.
+#
+# Before it writes or removes anything it refuses (and changes nothing) when a path it
+# would write, or a directory on the way to it, is a symbolic link, is not owned by the
+# user running it, or is writable by group or others; when a file it would install over
+# is executable (it installs none); or when /opt/wattserve holds anything it would run
+# that it did not make (a file of another owner, a link other than the venv's own).
+# Ownership is what makes the check hold until the write: no one else can change a tree
+# that only this user owns and may write.
 set -euo pipefail
+umask 022
 
 SRC="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ROOT=""
@@ -41,15 +51,27 @@ die() {
     exit 1
 }
 
+# --root's directory, physical; refused if it is a link or not this user's alone.
+root_dir() {
+    local dir="${1%/}"
+    [ -n "$dir" ] || dir=/
+    [ ! -L "$dir" ] || die "refusing --root $1: it is a symbolic link"
+    [ -d "$dir" ] || die "--root $1: no such directory"
+    [ -O "$dir" ] || die "refusing --root $1: not owned by $(id -un)"
+    [ -z "$(find "$dir" -maxdepth 0 -perm /022)" ] ||
+        die "refusing --root $1: writable by group or others"
+    (cd "$dir" && pwd -P)
+}
+
 while [ $# -gt 0 ]; do
     case "$1" in
         --root)
             [ $# -ge 2 ] || die "--root needs a directory"
-            ROOT="$(cd "$2" && pwd)" || die "--root $2: no such directory"
+            ROOT="$(root_dir "$2")"
             shift 2
             ;;
         --root=*)
-            ROOT="$(cd "${1#--root=}" && pwd)" || die "$1: no such directory"
+            ROOT="$(root_dir "${1#--root=}")"
             shift
             ;;
         --uninstall) MODE="uninstall"; shift ;;
@@ -78,6 +100,66 @@ systemd_live() {
     [ -z "$ROOT" ] && [ -d /run/systemd/system ] && command -v systemctl >/dev/null
 }
 
+# Refuse PATH if it, or a directory from BASE down to it, is a link, not owned by this
+# user, or writable by group or others (who could plant a link there before the write).
+guard_path() {
+    local base="$1" path="$2" part="$1" comp
+    local -a comps
+    IFS=/ read -r -a comps <<<"${path#"$base"/}"
+    for comp in "${comps[@]}"; do
+        part="$part/$comp"
+        [ ! -L "$part" ] || die "refusing: $part is a symbolic link; nothing was written"
+        [ -e "$part" ] || return 0
+        [ -O "$part" ] || die "refusing: $part is not owned by $(id -un); nothing was written"
+        if [ -d "$part" ] && [ -n "$(find "$part" -maxdepth 0 -perm /022)" ]; then
+            die "refusing: $part is writable by group or others; nothing was written"
+        fi
+    done
+}
+
+# A file this script installs: guarded, and never over an executable (it installs none).
+guard_file() {
+    guard_path "$1" "$2"
+    if [ -e "$2" ] && { [ ! -f "$2" ] || [ -x "$2" ]; }; then
+        die "refusing: $2 is not a plain file this script made; nothing was written"
+    fi
+}
+
+# /opt/wattserve: everything in it this user's and not writable by others, and no link
+# but those `python -m venv` makes, since install_venv runs programs from it.
+guard_opt() {
+    [ -e "$OPT" ] || return 0
+    local bad
+    bad="$(find "$OPT" \( ! -user "$(id -u)" -o \( ! -type l -perm /022 \) \) -print -quit)"
+    [ -z "$bad" ] || die "refusing: $bad is not owned by $(id -un) alone; nothing was written"
+    bad="$(find "$OPT" -type l ! -path "$OPT/lib64" ! -path "$OPT/bin/python" \
+        ! -path "$OPT/bin/python3*" -print -quit)"
+    [ -z "$bad" ] || die "refusing: $bad is a symbolic link install.sh did not make"
+}
+
+# Every check, before anything is written or removed. Under --root the whole way down
+# from DIR is checked; on the live system, from the directories wattserve owns down.
+check_tree() {
+    local top_opt="$ROOT" top_etc="$ROOT" top_unit="$ROOT" f
+    if [ -z "$ROOT" ]; then
+        top_opt=/opt top_etc=/etc top_unit=/etc/systemd/system
+    fi
+    for f in wattserve.service wattserve-control.conf config.example.toml; do
+        guard_file "$top_opt" "$SHARE/$f"
+    done
+    guard_opt
+    guard_file "$top_unit" "$UNIT"
+    guard_file "$top_unit" "$DROPIN_DIR/control.conf"
+    guard_file "$top_etc" "$CONF_DIR/config.toml"
+    guard_file "$top_etc" "$CONF_DIR/api-token"
+    if [ "$PURGE" -eq 1 ] && [ -n "$ROOT" ]; then
+        # rm -rf removes a link itself: only the directories above what it removes matter.
+        for f in lib/private cache/private; do
+            guard_path "$ROOT" "$ROOT/var/$f"
+        done
+    fi
+}
+
 install_venv() {
     if [ ! -x "$OPT/bin/python" ]; then
         "$PYTHON" -m venv "$OPT"
@@ -94,9 +176,12 @@ make_token() {
     if [ -s "$token" ]; then
         return
     fi
-    # Written under umask 077, so it is never readable by others, not even briefly.
-    (umask 077 && od -An -tx1 -N32 /dev/urandom | tr -d ' \n' >"$token.tmp" && echo >>"$token.tmp")
-    mv -f "$token.tmp" "$token"
+    # mktemp makes a new file (never an existing one or a link's target), mode 0600, so
+    # the token is never readable by others, not even briefly.
+    local tmp
+    tmp="$(mktemp "$CONF_DIR/.api-token.XXXXXX")"
+    { od -An -tx1 -N32 /dev/urandom | tr -d ' \n' && echo; } >"$tmp"
+    mv -f "$tmp" "$token"
     echo "install.sh: generated the control API token in $token"
 }
 
@@ -157,6 +242,7 @@ do_uninstall() {
     fi
 }
 
+check_tree
 if [ "$MODE" = "install" ]; then
     do_install
 else

@@ -2,7 +2,7 @@
 
 The daemon is the one `wattserve serve` runs, minus signal handlers (those only work on
 the main thread) and with the engine built from an already loaded test model. Leaving
-the context drains and stops it, and checks that it exited 0.
+the context drains and stops it, and checks that it exited 0 (or expect_exit_code).
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ def running_server(
     loaded: LoadedModel,
     environ: dict[str, str] | None = None,
     before_start: Callable[[Engine], None] | None = None,
+    expect_exit_code: int = 0,
 ) -> Iterator[RunningServer]:
     def build() -> Engine:
         engine = Engine(loaded, EngineOptions.from_config(cfg.engine))
@@ -87,4 +88,4 @@ def running_server(
         daemon.request_shutdown()
         thread.join(STOP_TIMEOUT_S)
     assert not thread.is_alive(), "daemon did not stop"
-    assert codes == [0], f"daemon exit code {codes}"
+    assert codes == [expect_exit_code], f"daemon exit code {codes}"

@@ -1,7 +1,7 @@
 """Runtime state of one serving process, kept on `app.state.serving`.
 
 It holds what the API needs beyond the frozen config: the lifecycle phase (loading,
-warming, ready, draining), the engine once it exists, the admission count that bounds
+warming, ready, draining, failed), the engine once it exists, the admission count that bounds
 the waiting queue, the stored control policy and the resolved API token. Values derived
 at runtime live here and are never written back into the config. It must not speak
 HTTP; handlers translate its refusals (`Unavailable`) into responses.
@@ -32,6 +32,7 @@ class Phase(enum.Enum):
     WARMING = "warming"
     READY = "ready"
     DRAINING = "draining"
+    FAILED = "failed"  # the engine loop died; the process is exiting for a restart
     STOPPED = "stopped"
 
 
@@ -40,7 +41,7 @@ class Unavailable(Exception):
 
     def __init__(self, reason: str, message: str, retry_after_s: int) -> None:
         super().__init__(message)
-        self.reason = reason  # "overloaded" | "not_ready" | "draining"
+        self.reason = reason  # "overloaded" | "not_ready" | "draining" | "engine_failed"
         self.message = message
         self.retry_after_s = retry_after_s
 
@@ -125,6 +126,8 @@ class ServingState:
             raise Unavailable(
                 "draining", "the server is shutting down", max(1, math.ceil(left) + 1)
             )
+        if self.phase is Phase.FAILED or (self.engine is not None and self.engine.fault):
+            raise Unavailable("engine_failed", "the engine failed; the server is restarting", 5)
         if self.phase is not Phase.READY or self.engine is None:
             raise Unavailable("not_ready", "the model is still loading; retry shortly", 5)
         if self.in_flight >= self.admission_cap:

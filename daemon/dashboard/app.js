@@ -26,6 +26,7 @@
     policy_rejected: "#c92a2a",
     quantization_switch: "#9c36b5",
     device_fault: "#c92a2a",
+    engine_fault: "#c92a2a",
     drain: "#495057",
   };
 

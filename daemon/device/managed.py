@@ -96,6 +96,8 @@ class ManagedDevice:
         self._closed = False
         for knob, reason in backend.unsupported_knobs().items():
             gate.mark_unavailable(knob, reason)
+        if gate.mode == "control":  # observe mode writes nothing, so it removes nothing
+            state.remove_leftover_temp_files()
 
     @property
     def backend(self) -> DeviceBackend:
@@ -193,7 +195,13 @@ class ManagedDevice:
         return ResetResult(tuple(changes))
 
     def restore_original_settings(self) -> RestoreResult:
-        """Put back every value the state file recorded, then remove the file."""
+        """Put back every value the state file recorded, then remove the file.
+
+        Each knob is restored on its own: one that fails (or raises) does not stop the
+        next. The state file is only bookkeeping here: a failed update of it is logged
+        once and reported in `state_file_error`, never a reason to stop restoring (the
+        file then keeps originals already back in force; restoring them again is harmless).
+        """
         with self._write_lock:
             record = self._state.load()
             if record is None:
@@ -204,19 +212,37 @@ class ManagedDevice:
                     f"not {self._backend.identity.uuid}"
                 )
             changes: list[KnobChange] = []
+            file_error: StateFileError | None = None
             for knob in (Knob.POWER_LIMIT, Knob.SM_CLOCKS):
                 if knob not in record.originals:
                     continue
-                value = record.originals[knob]
-                write, unchanged, shown = self._restore_action(knob, value)
-                outcome, detail = self._apply(knob, write, original=None, unchanged=unchanged)
-                if outcome in IN_FORCE:
-                    self._state.forget(knob)
+                try:
+                    write, unchanged, shown = self._restore_action(knob, record.originals[knob])
+                    outcome, detail = self._apply(knob, write, original=None, unchanged=unchanged)
+                except Exception as e:  # a backend bug must not keep the other knobs changed
+                    log.exception("device: restoring %s failed", knob.value)
+                    outcome, detail, shown = SetOutcome.FAILED, f"{type(e).__name__}: {e}", ""
                 changes.append(KnobChange(knob, outcome, detail or shown))
+                if outcome in IN_FORCE and file_error is None:
+                    try:
+                        self._state.forget(knob)
+                    except StateFileError as e:
+                        file_error = e
             if all(c.outcome in IN_FORCE for c in changes):
-                self._state.clear()
-                self._owns_record = False
-            return RestoreResult(self._state.path, record.pid, tuple(changes))
+                if file_error is None:
+                    try:
+                        self._state.clear()
+                    except StateFileError as e:
+                        file_error = e
+                self._owns_record = False  # the device is restored, whatever the file says
+            if file_error is not None:
+                log.error("device: settings restored where shown, but %s", file_error)
+            return RestoreResult(
+                self._state.path,
+                record.pid,
+                tuple(changes),
+                state_file_error=str(file_error) if file_error is not None else None,
+            )
 
     def adopt_leftover_record(self) -> None:
         """Take over a record left by an earlier run, so close() restores it."""

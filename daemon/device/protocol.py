@@ -322,6 +322,8 @@ class RestoreResult:
     state_file: Path
     recorded_by_pid: int | None  # None: nothing was recorded
     changes: tuple[KnobChange, ...] = ()
+    # The state file could not be updated or removed (the device may still be restored).
+    state_file_error: str | None = None
 
     @property
     def nothing_recorded(self) -> bool:

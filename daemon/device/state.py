@@ -3,7 +3,8 @@
 GPU settings outlive the process, so the first change to each knob records the value it
 had before, atomically, in <state_dir>/device-<uuid>.json. A clean exit, the next start
 after a crash, and `wattserve device reset` restore from it and then remove it. This
-module only reads and writes that file; it never talks to a device.
+module only reads and writes that file (and removes its temporary copies that a dead
+writer left); it never talks to a device.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from types import MappingProxyType
 from typing import Any
 
 from daemon.device.protocol import DeviceIdentity, Knob, StateFileError
+from daemon.leftovers import process_alive, remove_leftovers
 
 FORMAT_VERSION = 1
 
@@ -50,16 +52,6 @@ def boot_id() -> str | None:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         return None
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
 
 
 @dataclass(frozen=True)
@@ -132,6 +124,15 @@ class StateFile:
     def __init__(self, path: Path) -> None:
         self.path = path
 
+    def _tmp_path(self) -> Path:
+        return self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+
+    def remove_leftover_temp_files(self) -> list[Path]:
+        """Remove this file's temporary copies left by writers that died mid-write (the
+        rules are daemon.leftovers'); returns what was removed."""
+        pattern = re.compile(rf"\.{re.escape(self.path.name)}\.(\d+)\.tmp")
+        return remove_leftovers(self.path.parent, pattern)
+
     def load(self) -> SettingsRecord | None:
         try:
             text = self.path.read_text()
@@ -196,7 +197,7 @@ class StateFile:
         # Write-then-rename so a crash mid-write leaves the previous record, never half a file.
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            tmp = self._tmp_path()
             with open(tmp, "w") as f:
                 json.dump(record.to_json(), f, indent=2, sort_keys=True)
                 f.write("\n")

@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 
 Sink = Callable[[RequestOutput], None]
 
+# What a request hears when the loop thread died under it (the details go to the log).
+ENGINE_FAULT_MESSAGE = "the engine failed; the server is restarting"
+
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -163,6 +166,11 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, _Request] = {}
         self._hooks: list[Callable[[StepStats], None]] = []
+        self._fault_hooks: list[Callable[[BaseException], None]] = []
+        # Held while a request is queued and while the dying loop empties the queue, so
+        # that no request lands in a queue that nobody will read again.
+        self._intake_lock = threading.Lock()
+        self.fault: BaseException | None = None  # set once, when the loop thread died
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._step_ids = itertools.count()
@@ -324,7 +332,11 @@ class Engine:
             generator=make_generator(params.seed),
             arrival_s=time.monotonic(),
         )
-        self._inbox.put(("add", req))
+        with self._intake_lock:
+            if self.fault is None:
+                self._inbox.put(("add", req))
+                return rid
+        self._fail(req, ENGINE_FAULT_MESSAGE)  # the loop is gone: end it now, not never
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -494,9 +506,60 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="wattserve-engine", daemon=True)
         self._thread.start()
 
+    def add_fault_hook(self, hook: Callable[[BaseException], None]) -> None:
+        """hook(error) runs once on the loop thread if the loop dies, after every request
+        it held has ended with finish_reason "error"."""
+        self._fault_hooks.append(hook)
+
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self.step(block_s=0.05)
+        try:
+            while not self._stop.is_set():
+                self.step(block_s=0.05)
+        except BaseException as e:  # noqa: BLE001 - a dead loop must never be silent
+            self._die(e)
+
+    def _die(self, error: BaseException) -> None:
+        """The loop raised outside a batch's forward (scheduler, commit, hooks): its state
+        cannot be trusted, so nothing here touches the scheduler or the KV cache again."""
+        log.critical("engine loop died: %s", error, exc_info=error)
+        with self._intake_lock:
+            self.fault = error
+            pending = list(self._requests.values())
+            self._requests.clear()
+            while True:
+                try:
+                    kind, payload = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add":
+                    pending.append(payload)
+        for req in pending:
+            self._fail(req, ENGINE_FAULT_MESSAGE)
+        for hook in self._fault_hooks:
+            try:
+                hook(error)
+            except Exception:
+                log.exception("engine fault hook failed")
+
+    def _fail(self, req: _Request, error: str) -> None:
+        """End a request with an error without the scheduler (the loop is gone)."""
+        seq = req.seq
+        self.counters.requests_finished["error"] += 1
+        try:
+            req.sink(
+                RequestOutput(
+                    seq.seq_id,
+                    [],
+                    "",
+                    finished=True,
+                    finish_reason="error",
+                    error=error,
+                    prompt_tokens=len(seq.prompt_token_ids),
+                    completion_tokens=len(seq.output_token_ids),
+                )
+            )
+        except Exception:
+            log.exception("request %s: its sink failed", seq.seq_id)
 
     def stop(self, abort_pending: bool = True, timeout_s: float = 10.0) -> None:
         """Stop the loop thread; pending requests are aborted (their sinks hear it)."""

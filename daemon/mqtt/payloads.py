@@ -176,6 +176,7 @@ EventKind = Literal[
     "policy_rejected",
     "quantization_switch",
     "device_fault",
+    "engine_fault",  # the engine loop died; the process exits for a restart
     "start",
     "drain",
     "stop",
