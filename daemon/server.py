@@ -10,8 +10,9 @@ finish_reason "abort"); uvicorn and the engine thread are stopped and the proces
 not uvicorn's, because uvicorn would close the listening socket immediately and
 refuse new connections instead of answering them 503.
 With [mqtt] enabled, the MQTT link starts first (the broker sees `online`, phase
-loading), follows the phase, publishes the live feed's events and telemetry, takes
-`policy/set` through the same path as HTTP PUT, and says `offline` last.
+loading), follows the phase, publishes the live feed's events and telemetry, takes live
+`policy/set` messages (only with mqtt.accept_policy) through the same path as HTTP PUT,
+and says `offline` last.
 This module wires parts together; it must not hold API or engine logic.
 """
 

@@ -79,6 +79,8 @@ async def status(request: Request) -> StatusResponse:
         "admission_cap": state.admission_cap,
         "max_waiting_requests": state.cfg.server.max_waiting_requests,
         "control_enabled": state.api_token is not None,
+        # policy/set over MQTT: "off", or the kind of connection it is taken over.
+        "mqtt_remote_policy": state.cfg.mqtt.remote_policy,
     }
     engine_info = None
     if engine is not None:
