@@ -30,6 +30,7 @@ from controller.signals import (
 from controller.signals import Telemetry as ControllerTelemetry
 from daemon.config import ControllerConfig
 from daemon.device.protocol import (
+    REASON_HW_POWER_BRAKE,
     REASON_HW_SLOWDOWN,
     REASON_HW_THERMAL,
     REASON_SW_POWER_CAP,
@@ -125,7 +126,8 @@ def controller_telemetry(t: Telemetry) -> ControllerTelemetry:
         sm_clock_mhz=t.sm_clock_mhz,
         sw_power_cap=bool(mask & REASON_SW_POWER_CAP),
         thermal_throttle=bool(mask & (REASON_SW_THERMAL | REASON_HW_THERMAL)),
-        hw_slowdown=bool(mask & REASON_HW_SLOWDOWN),
+        # NVML reports the brake's cause bits with or without HwSlowdown itself.
+        hw_slowdown=bool(mask & (REASON_HW_SLOWDOWN | REASON_HW_THERMAL | REASON_HW_POWER_BRAKE)),
         stale=t.stale,
         device_lost=t.device_lost,
     )
