@@ -22,6 +22,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from daemon.engine.scheduler import DECODE_INTERVAL_MAX_MS  # plain Python, no torch
+
 ENV_PREFIX = "WATTSERVE_"
 # Stand-alone variables that are not section keys.
 STANDALONE_ENV = {"WATTSERVE_CACHE", "WATTSERVE_API_TOKEN", "WATTSERVE_CONFIG"}
@@ -157,10 +159,10 @@ class ControllerConfig(_Section):
     decode_interval_max_ms: float = Field(
         1000.0,
         ge=0,
-        le=60_000,
-        description="Longest decode pacing interval the controller may set (a decode-only "
-        "step no sooner than this after the step before, while no request waits); "
-        "0: no pacing.",
+        le=DECODE_INTERVAL_MAX_MS,  # the engine's own bound, far below the watchdog's
+        description="Longest decode pacing interval the controller and PUT knobs may set (a "
+        "decode-only step no sooner than this after the step before, while no request "
+        "waits); 0: no pacing.",
     )
 
 
