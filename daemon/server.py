@@ -376,6 +376,7 @@ class Daemon:
             device,
             quality=self._quality_table(engine),
             sinks=[self.feed.on_decision],
+            event_sink=self.feed.publish_event,  # knob_drift
         )
         engine.add_step_hook(loop.on_step)  # after the stretch, so durations include it
         # A policy set while the model loaded (a PUT, a retained policy/set) holds.

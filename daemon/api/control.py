@@ -12,6 +12,7 @@ This module must not make control decisions itself.
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
 from typing import Annotated
 
@@ -235,9 +236,14 @@ async def put_knobs(body: KnobsUpdate, request: Request) -> Knobs:
     if body.clock_mhz is not None:
         if state.device is None:
             raise APIError(409, "no device is open", param="clock_mhz", code="no_device")
-        result = await asyncio.to_thread(
-            state.device.lock_sm_clocks_mhz, body.clock_mhz, body.clock_mhz
-        )
+        if state.control_loop is not None:
+            # Through the loop, the one actuator, so that it knows the lock is no drift.
+            lock = functools.partial(state.control_loop.lock_sm_clock_mhz, body.clock_mhz)
+        else:
+            lock = functools.partial(
+                state.device.lock_sm_clocks_mhz, body.clock_mhz, body.clock_mhz
+            )
+        result = await asyncio.to_thread(lock)
         if result.outcome not in IN_FORCE:
             raise APIError(
                 409,

@@ -176,6 +176,7 @@ EventKind = Literal[
     "policy_rejected",
     "quantization_switch",
     "device_fault",
+    "knob_drift",  # a device knob read back otherwise than the control loop set it
     "start",
     "drain",
     "stop",
