@@ -373,7 +373,7 @@ class ControlLoop:
             )
             decision = self.controller.observe(telemetry, stats, now)
         with self._actuate:
-            self._verify_device_knobs(raw)
+            self._verify_device_knobs(raw, decision.apply)
             if decision.apply:
                 self._apply(decision.knobs)
         for sink in self._sinks:
@@ -427,12 +427,15 @@ class ControlLoop:
                 self._applied = self._applied.with_changes(sm_clock_mhz=mhz)
         return result
 
-    def _verify_device_knobs(self, raw: Telemetry | None) -> None:
+    def _verify_device_knobs(self, raw: Telemetry | None, applying: bool) -> None:
         """Compare what the device reads back with what it took; a difference, or a device
         that was lost and is back (a re-initialisation drops its settings), is drift: count
-        it, say so, and forget the knob so that the next _apply writes it again."""
+        it, say so, and forget the knob so that the next _apply writes it again. Not while
+        the decisions are advice (observe mode): the settings are not this loop's then."""
         if raw is None or raw.device_lost or raw.stale:
             self._device_lost = self._device_lost or (raw is not None and raw.device_lost)
+            return
+        if not applying:
             return
         if self._device_lost:
             self._device_lost = False

@@ -125,3 +125,19 @@ def test_a_clock_locked_through_put_knobs_is_not_drift(tmp_path) -> None:
     loop.controller.set_manual_knobs(Knobs(64, 512, "fp32", sm_clock_mhz=900))
     tick(loop, clock)
     assert loop.knob_drift == {} and events == []
+
+
+def test_in_observe_mode_a_changed_knob_is_not_drift_until_the_loop_steers_again(
+    tmp_path,
+) -> None:
+    loop, device, clock, _, events = make(tmp_path)
+    tick(loop, clock)
+    manual = loop.controller.policy
+    loop.set_policy(dataclasses.replace(manual, mode=ControlMode.OBSERVE))
+    device.backend.write_power_limit_w(650.0)  # the operator's to change while observing
+    tick(loop, clock)
+    tick(loop, clock)
+    assert loop.knob_drift == {} and in_force(device)[0] == 650.0
+    loop.set_policy(manual)
+    tick(loop, clock)
+    assert loop.knob_drift == {"power_limit_w": 1} and in_force(device)[0] == LIMIT_W
