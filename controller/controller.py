@@ -98,7 +98,9 @@ class Controller(QuantTimescale):
     faster level whose model has not seen this load. Where the board power limit can hold
     the budget it is set to it (the 100 ms backstop); below its range only the clock holds
     the budget, with predicted peak phases. Idle: the lowest trusted clock whose predicted TTFT for
-    the next arrival meets the SLO. Stale telemetry: hold, then the fallback knobs.
+    the next arrival meets the SLO. Stale telemetry: hold, then the fallback knobs. While
+    the hardware slows the GPU down (HwSlowdown, HwThermal, HwPowerBrake) no decision
+    raises the clock, whatever chose it; lowering it stays allowed.
     """
 
     def __init__(
@@ -1443,6 +1445,7 @@ class Controller(QuantTimescale):
             chunk = max(choice.knobs.max_num_batched_tokens, self._probe_chunk_from)
             choice.knobs = choice.knobs.with_changes(max_num_batched_tokens=chunk)
             self._probe_chunk_from = None
+        self._hold_clock_under_hw_slowdown(choice, telemetry)
         knobs = self._clamp(choice.knobs)
         if not self.device.can_lock_clocks and self.device.can_set_power_limit:
             knobs = self._clock_as_power_limit(choice.knobs, knobs, budget_w, telemetry)
@@ -1487,6 +1490,19 @@ class Controller(QuantTimescale):
         )
         self._last = decision
         return decision
+
+    def _hold_clock_under_hw_slowdown(self, choice: Choice, telemetry: Telemetry | None) -> None:
+        """No decision raises the clock while the hardware slows the GPU down: the latency
+        it causes is not the clock's to fix, and a clock raised meanwhile would land all at
+        once, with its power, the moment the brake lets go. Lowering stays allowed."""
+        if telemetry is None or not telemetry.usable or not telemetry.hw_slowdown:
+            return
+        held, wanted = self._knobs.sm_clock_mhz, choice.knobs.sm_clock_mhz
+        if held is None or wanted is None or wanted <= held:
+            return  # no lock in force (the top clock already) or not a raise
+        choice.knobs = choice.knobs.with_changes(sm_clock_mhz=held)
+        choice.code = Reason.HW_SLOWDOWN_HOLD
+        choice.reason += f"; clock held at {held} MHz, not {wanted}: hardware slowdown asserted"
 
     def _clock_as_power_limit(
         self, wanted: Knobs, clamped: Knobs, budget_w: float, telemetry: Telemetry | None

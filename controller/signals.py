@@ -20,7 +20,9 @@ class Telemetry:
     power_w: power over the device's shortest window (about 100 ms); power_avg_w: over
     power_avg_window_s (about 1 s). sm_clock_mhz: the clock the GPU runs at now (after
     any firmware cap). thermal_margin_c: distance to the nearest thermal slowdown.
-    sw_power_cap / thermal_throttle / hw_slowdown: the device's clock-event reasons.
+    sw_power_cap / thermal_throttle / hw_slowdown: the device's clock-event reasons;
+    hw_slowdown is the hardware's own brake (HwSlowdown, HwThermal or HwPowerBrake), under
+    which the controller raises no clock.
     stale: older than two sampling periods, or the GPU is lost: not to be acted on.
     """
 

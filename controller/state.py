@@ -55,6 +55,9 @@ class Reason(StrEnum):
     QUANT_SWITCH = "quant_switch"
     QUANT_EXPLORE = "quant_explore"
     QUANT_FORBIDDEN = "quant_forbidden"
+    # The hardware is slowing the GPU down (HwSlowdown, HwThermal, HwPowerBrake): the
+    # decision's clock raise is held back until it clears.
+    HW_SLOWDOWN_HOLD = "hw_slowdown_hold"
 
 
 @dataclass(frozen=True)

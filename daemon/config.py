@@ -22,6 +22,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from daemon.engine.scheduler import DECODE_INTERVAL_MAX_MS  # plain Python, no torch
+
 ENV_PREFIX = "WATTSERVE_"
 # Stand-alone variables that are not section keys.
 STANDALONE_ENV = {"WATTSERVE_CACHE", "WATTSERVE_API_TOKEN", "WATTSERVE_CONFIG"}
@@ -157,10 +159,10 @@ class ControllerConfig(_Section):
     decode_interval_max_ms: float = Field(
         1000.0,
         ge=0,
-        le=60_000,
-        description="Longest decode pacing interval the controller may set (a decode-only "
-        "step no sooner than this after the step before, while no request waits); "
-        "0: no pacing.",
+        le=DECODE_INTERVAL_MAX_MS,  # the engine's own bound, far below the watchdog's
+        description="Longest decode pacing interval the controller and PUT knobs may set (a "
+        "decode-only step no sooner than this after the step before, while no request "
+        "waits); 0: no pacing.",
     )
 
 
@@ -202,6 +204,28 @@ class MqttConfig(_Section):
     )
     home_assistant_discovery: bool = False
     home_assistant_prefix: str = Field("homeassistant", min_length=1, max_length=128)
+    accept_policy: bool = Field(
+        False, description="Take the policy from `policy/set`; false: not even subscribed."
+    )
+    accept_policy_unauthenticated: bool = Field(
+        False,
+        description="Allow accept_policy over a connection that carries no credentials "
+        "(no username with password_file, no tls_cert_file).",
+    )
+
+    @property
+    def authenticated(self) -> bool:
+        """The connection carries credentials: a password, or a client certificate."""
+        return (
+            self.username is not None and self.password_file is not None
+        ) or self.tls_cert_file is not None
+
+    @property
+    def remote_policy(self) -> Literal["off", "authenticated", "unauthenticated"]:
+        """Whether `policy/set` is taken, and over what kind of connection."""
+        if not (self.enabled and self.accept_policy):
+            return "off"
+        return "authenticated" if self.authenticated else "unauthenticated"
 
     @model_validator(mode="after")
     def _check_consistency(self) -> MqttConfig:
@@ -225,6 +249,15 @@ class MqttConfig(_Section):
             raise ValueError("event_queue_max must be >= telemetry_queue_max")
         if self.reconnect_max_ms < self.reconnect_initial_ms:
             raise ValueError("reconnect_max_ms must be >= reconnect_initial_ms")
+        if self.accept_policy_unauthenticated and not self.accept_policy:
+            raise ValueError("accept_policy_unauthenticated is set but accept_policy is not")
+        if self.accept_policy and not self.authenticated and not self.accept_policy_unauthenticated:
+            # Anyone who can reach the broker would steer this node's power and SLOs.
+            raise ValueError(
+                "accept_policy = true over an unauthenticated connection (no username with "
+                "password_file, no tls_cert_file): configure broker credentials (and its ACL, "
+                "systemd/mosquitto-wattserve.acl), or set accept_policy_unauthenticated = true"
+            )
         return self
 
 

@@ -5,8 +5,11 @@ hook, request latencies from the API, the engine's counters and queues, one tele
 snapshot), hands them to controller.observe(), applies the decision's knobs to the engine
 and the device (never in observe mode, and the device's own gate refuses setters in
 device observe mode anyway), and hands each decision to write-only sinks (events, MQTT,
-metrics). Its clock, its sleep and the way blocking calls run are injected, so the same
-loop runs on a thread in the daemon and step by step in simulated time in a benchmark.
+metrics). Device knobs are verified, not assumed: what the device took is compared with
+what it reads back each tick, and a knob changed behind the loop's back (someone ran
+nvidia-smi) or lost to a device re-initialisation is counted as drift and re-applied.
+Its clock, its sleep and the way blocking calls run are injected, so the same loop runs
+on a thread in the daemon and step by step in simulated time in a benchmark.
 It must not decide anything itself: every choice is the controller's.
 """
 
@@ -30,6 +33,8 @@ from controller.signals import (
 from controller.signals import Telemetry as ControllerTelemetry
 from daemon.config import ControllerConfig
 from daemon.device.protocol import (
+    IN_FORCE,
+    REASON_HW_POWER_BRAKE,
     REASON_HW_SLOWDOWN,
     REASON_HW_THERMAL,
     REASON_SW_POWER_CAP,
@@ -42,6 +47,10 @@ from daemon.device.protocol import (
 log = logging.getLogger(__name__)
 
 DecisionSink = Callable[[Decision], None]
+# (kind, message, data): the live feed's publish_event, for the loop's own `knob_drift` events.
+EventSink = Callable[[str, str, dict], None]
+# A power limit read back within this of the one set is that one (NVML takes milliwatts).
+_POWER_EQUAL_W = 0.5
 
 
 class SteerableEngine(Protocol):
@@ -125,7 +134,8 @@ def controller_telemetry(t: Telemetry) -> ControllerTelemetry:
         sm_clock_mhz=t.sm_clock_mhz,
         sw_power_cap=bool(mask & REASON_SW_POWER_CAP),
         thermal_throttle=bool(mask & (REASON_SW_THERMAL | REASON_HW_THERMAL)),
-        hw_slowdown=bool(mask & REASON_HW_SLOWDOWN),
+        # NVML reports the brake's cause bits with or without HwSlowdown itself.
+        hw_slowdown=bool(mask & (REASON_HW_SLOWDOWN | REASON_HW_THERMAL | REASON_HW_POWER_BRAKE)),
         stale=t.stale,
         device_lost=t.device_lost,
     )
@@ -205,6 +215,7 @@ class ControlLoop:
         run_blocking: Callable[[Callable[[], None]], None] = _start_thread,
         sinks: Sequence[DecisionSink] = (),
         oldest_waiting_s: Callable[[], float | None] | None = None,
+        event_sink: EventSink | None = None,
     ) -> None:
         if period_s <= 0:
             raise ValueError("control loop period_s must be > 0")
@@ -219,6 +230,7 @@ class ControlLoop:
         self._step_clock = step_clock_mhz
         self._run_blocking = run_blocking
         self._sinks = tuple(sinks)
+        self._event_sink = event_sink
         self._oldest_waiting = oldest_waiting_s
         self._lock = threading.Lock()
         self._steps: list[StepRecord] = []
@@ -226,6 +238,13 @@ class ControlLoop:
         self._tpot: list[float] = []
         self._last_clock_mhz: int | None = None
         self._applied: Knobs | None = None
+        # What the device took for each knob this loop set (clamped and snapped), to be
+        # read back; and whether the device was lost at the last reading.
+        self._in_force: dict[Knob, Any] = {}
+        self._device_lost = False
+        # Device writes (this loop's thread, PUT knobs' worker thread) one at a time.
+        self._actuate = threading.Lock()
+        self.knob_drift: dict[str, int] = {}
         self._quant_requested: str | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -353,8 +372,10 @@ class ControlLoop:
                 quant_level=engine.quant_level,
             )
             decision = self.controller.observe(telemetry, stats, now)
-        if decision.apply:
-            self._apply(decision.knobs)
+        with self._actuate:
+            self._verify_device_knobs(raw, decision.apply)
+            if decision.apply:
+                self._apply(decision.knobs)
         for sink in self._sinks:
             try:
                 sink(decision)
@@ -396,6 +417,73 @@ class ControlLoop:
             self._check(Knob.POWER_LIMIT, self._device.set_power_limit_w(knobs.power_limit_w))
         self._applied = knobs
 
+    def lock_sm_clock_mhz(self, mhz: int) -> Any:
+        """PUT knobs' clock lock, written through the loop so that it is known in force
+        (not mistaken for drift); returns the device's ClockLockResult."""
+        with self._actuate:
+            result = self._device.lock_sm_clocks_mhz(mhz, mhz)
+            self._note_in_force(Knob.SM_CLOCKS, result)
+            if self._applied is not None and Knob.SM_CLOCKS in self._in_force:
+                self._applied = self._applied.with_changes(sm_clock_mhz=mhz)
+        return result
+
+    def _verify_device_knobs(self, raw: Telemetry | None, applying: bool) -> None:
+        """Compare what the device reads back with what it took; a difference, or a device
+        that was lost and is back (a re-initialisation drops its settings), is drift: count
+        it, say so, and forget the knob so that the next _apply writes it again. Not while
+        the decisions are advice (observe mode): the settings are not this loop's then."""
+        if raw is None or raw.device_lost or raw.stale:
+            self._device_lost = self._device_lost or (raw is not None and raw.device_lost)
+            return
+        if not applying:
+            return
+        if self._device_lost:
+            self._device_lost = False
+            read_back = {Knob.POWER_LIMIT: raw.power_limit_w, Knob.SM_CLOCKS: raw.sm_clock_lock_mhz}
+            for knob, actual in read_back.items():
+                # Also what could not be written while it was lost: retried now.
+                self._drifted(knob, self._in_force.get(knob), actual, "the device re-initialised")
+            return
+        for knob, target in list(self._in_force.items()):
+            if knob is Knob.POWER_LIMIT:
+                actual: Any = raw.power_limit_w
+                if actual is None or abs(actual - target) < _POWER_EQUAL_W:
+                    continue
+            else:
+                actual = raw.sm_clock_lock_mhz
+                if actual == target:
+                    continue
+            self._drifted(knob, target, actual, "the device reads back another value")
+
+    def _drifted(self, knob: Knob, target: Any, actual: Any, why: str) -> None:
+        self._in_force.pop(knob, None)
+        field = "power_limit_w" if knob is Knob.POWER_LIMIT else "sm_clock_mhz"
+        if self._applied is None or getattr(self._applied, field) is None:
+            return  # this loop never set it: nothing to re-apply
+        self._applied = self._applied.with_changes(**{field: None})
+        self.knob_drift[knob.value] = self.knob_drift.get(knob.value, 0) + 1
+        message = f"{knob.value} drifted ({why}): set {target}, read back {actual}; re-applying"
+        log.warning("control loop: %s", message)
+        if self._event_sink is not None:
+            data = {"knob": knob.value, "set": target, "read_back": actual, "why": why}
+            try:
+                self._event_sink("knob_drift", message, data)
+            except Exception:  # a broken sink must not stop control
+                log.exception("control loop: event sink failed")
+
+    def _note_in_force(self, knob: Knob, result: Any) -> None:
+        """Remember what the device took (the clamped target), to verify it later."""
+        if knob is Knob.POWER_LIMIT:
+            target = getattr(result, "target_w", None)
+        else:
+            lo = getattr(result, "target_min_mhz", None)
+            hi = getattr(result, "target_max_mhz", None)
+            target = None if lo is None or hi is None else (lo, hi)
+        if getattr(result, "outcome", None) in IN_FORCE and target is not None:
+            self._in_force[knob] = target
+        else:
+            self._in_force.pop(knob, None)
+
     def _switch_quant(self, level: str) -> None:
         try:
             self._engine.set_quant_level(level)
@@ -405,6 +493,7 @@ class ControlLoop:
 
     def _check(self, knob: Knob, result: Any) -> None:
         outcome = getattr(result, "outcome", None)
+        self._note_in_force(knob, result)
         if outcome in (SetOutcome.APPLIED, SetOutcome.UNCHANGED, SetOutcome.OBSERVE_ONLY):
             return
         self.apply_failures[knob.value] = self.apply_failures.get(knob.value, 0) + 1
@@ -453,6 +542,7 @@ class ControlLoop:
         with self._lock:
             out = self.controller.status()
         out["apply_failures"] = dict(self.apply_failures)
+        out["knob_drift"] = dict(self.knob_drift)
         out["period_s"] = self.period_s
         out["ticks"] = self.ticks
         return out

@@ -10,8 +10,9 @@ finish_reason "abort"); uvicorn and the engine thread are stopped and the proces
 not uvicorn's, because uvicorn would close the listening socket immediately and
 refuse new connections instead of answering them 503.
 With [mqtt] enabled, the MQTT link starts first (the broker sees `online`, phase
-loading), follows the phase, publishes the live feed's events and telemetry, takes
-`policy/set` through the same path as HTTP PUT, and says `offline` last.
+loading), follows the phase, publishes the live feed's events and telemetry, takes live
+`policy/set` messages (only with mqtt.accept_policy) through the same path as HTTP PUT,
+and says `offline` last.
 If the engine loop dies, its requests end with an error, /ready and new requests get 503,
 an `engine_fault` event goes out, and the process exits EXIT_ENGINE_FAULT after the same
 shutdown (device restored, `stop`, `offline`) so that systemd restarts it. Each shutdown
@@ -421,6 +422,7 @@ class Daemon:
             device,
             quality=self._quality_table(engine),
             sinks=[self.feed.on_decision],
+            event_sink=self.feed.publish_event,  # knob_drift
         )
         engine.add_step_hook(loop.on_step)  # after the stretch, so durations include it
         # A policy set while the model loaded (a PUT, a retained policy/set) holds.

@@ -4,13 +4,15 @@
 loaded and warmed up, not draining). /v1/status is one JSON snapshot for people and
 scripts. The control endpoints need `Authorization: Bearer <token>` compared in constant
 time; with no token configured they are disabled (403), never open. Until the controller
-exists, a PUT policy is validated and stored, and PUT knobs sets the engine's batch caps.
+exists, a PUT policy is validated and stored, and PUT knobs sets the engine's batch caps
+(never above the configured ones).
 This module must not make control decisions itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
 from typing import Annotated
 
@@ -29,6 +31,7 @@ from daemon.api.schemas import (
     StatusResponse,
 )
 from daemon.api.state import Phase, Unavailable
+from daemon.config import Config
 from daemon.device.protocol import IN_FORCE
 
 router = APIRouter()
@@ -79,6 +82,8 @@ async def status(request: Request) -> StatusResponse:
         "admission_cap": state.admission_cap,
         "max_waiting_requests": state.cfg.server.max_waiting_requests,
         "control_enabled": state.api_token is not None,
+        # policy/set over MQTT: "off", or the kind of connection it is taken over.
+        "mqtt_remote_policy": state.cfg.mqtt.remote_policy,
     }
     engine_info = None
     if engine is not None:
@@ -157,6 +162,35 @@ async def put_policy(body: Policy, request: Request) -> Policy:
     return serving(request).apply_policy(body, changed_by="http")
 
 
+def _check_configured_bounds(body: KnobsUpdate, cfg: Config) -> None:
+    """Manual knobs stay within what the operator configured: [engine] caps are upper
+    bounds (buffers and the KV pool are sized for them), and decode pacing is bounded by
+    controller.decode_interval_max_ms (so paced steps always feed the watchdog)."""
+    bounds = (
+        ("max_num_seqs", body.max_num_seqs, "engine.max_num_seqs", cfg.engine.max_num_seqs),
+        (
+            "max_num_batched_tokens",
+            body.max_num_batched_tokens,
+            "engine.max_num_batched_tokens",
+            cfg.engine.max_num_batched_tokens,
+        ),
+        (
+            "decode_interval_ms",
+            body.decode_interval_ms,
+            "controller.decode_interval_max_ms",
+            cfg.controller.decode_interval_max_ms,
+        ),
+    )
+    for param, value, key, bound in bounds:
+        if value is not None and value > bound:
+            raise APIError(
+                400,
+                f"{param} {value:g} is above its configured bound {key} = {bound:g}",
+                param=param,
+                code="above_configured_bound",
+            )
+
+
 def _knobs(request: Request) -> Knobs:
     state = serving(request)
     engine = require_engine(state)
@@ -192,6 +226,7 @@ async def get_knobs(request: Request) -> Knobs:
 async def put_knobs(body: KnobsUpdate, request: Request) -> Knobs:
     state = serving(request)
     engine = require_engine(state)
+    _check_configured_bounds(body, state.cfg)  # before anything changes
     if body.quant_level is not None:
         try:
             # Building a level the first time takes seconds: off the event loop.
@@ -201,9 +236,14 @@ async def put_knobs(body: KnobsUpdate, request: Request) -> Knobs:
     if body.clock_mhz is not None:
         if state.device is None:
             raise APIError(409, "no device is open", param="clock_mhz", code="no_device")
-        result = await asyncio.to_thread(
-            state.device.lock_sm_clocks_mhz, body.clock_mhz, body.clock_mhz
-        )
+        if state.control_loop is not None:
+            # Through the loop, the one actuator, so that it knows the lock is no drift.
+            lock = functools.partial(state.control_loop.lock_sm_clock_mhz, body.clock_mhz)
+        else:
+            lock = functools.partial(
+                state.device.lock_sm_clocks_mhz, body.clock_mhz, body.clock_mhz
+            )
+        result = await asyncio.to_thread(lock)
         if result.outcome not in IN_FORCE:
             raise APIError(
                 409,

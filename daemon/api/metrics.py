@@ -185,6 +185,15 @@ class _DeviceCollector(Collector):
             yield level
         loop = state.control_loop
         if loop is not None:
+            drift = CounterMetricFamily(
+                f"{PREFIX}_knob_drift",
+                "Device knobs found changed behind the control loop (read back otherwise, or "
+                "lost to a device re-initialisation) and re-applied, by knob",
+                labels=["knob"],
+            )
+            for knob in ("power_limit_w", "sm_clock_lock_mhz"):
+                drift.add_metric([knob], loop.knob_drift.get(knob, 0))
+            yield drift
             last = loop.controller.last_decision
             if last is not None:
                 yield GaugeMetricFamily(

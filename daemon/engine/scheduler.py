@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 
 from daemon.engine.kv_cache import KVCacheManager
 
+# The longest decode pacing interval the engine takes. While pacing and with nothing
+# waiting it steps only this often, and the systemd watchdog (a ping at half WatchdogSec,
+# only after engine progress) must see a step between any two pings: keep it far below.
+DECODE_INTERVAL_MAX_MS = 1000.0
+
 
 @dataclass(frozen=True)
 class EngineLimits:
@@ -30,8 +35,11 @@ class EngineLimits:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
-        if not 0 <= self.decode_interval_ms < float("inf"):
-            raise ValueError("decode_interval_ms must be a finite number >= 0")
+        if not 0 <= self.decode_interval_ms <= DECODE_INTERVAL_MAX_MS:
+            raise ValueError(
+                f"decode_interval_ms must be within [0, {DECODE_INTERVAL_MAX_MS:g}] ms "
+                f"(the watchdog needs steps), got {self.decode_interval_ms!r}"
+            )
 
 
 class SeqStatus(enum.Enum):

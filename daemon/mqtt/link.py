@@ -4,8 +4,9 @@ The daemon hands it write-only snapshots (telemetry, events, the policy in force
 status summary) from any thread; they wait in a bounded outbox, so a slow or absent
 broker never blocks serving. While connected it publishes `status` (retained, with a
 Last Will `offline`), `policy` (retained), telemetry (QoS 0), events (QoS 1), optional
-Home Assistant discovery, and it hands `policy/set` messages to the daemon's policy
-handler, answering rejections with an event (the handler reports accepted changes). On
+Home Assistant discovery, and, only with mqtt.accept_policy, it hands live `policy/set`
+messages to the daemon's policy handler, answering rejections with an event (the handler
+reports accepted changes); a retained `policy/set` is never applied (docs/mqtt.md). On
 a lost connection it reconnects with capped exponential backoff and jitter, then
 republishes the retained topics and resubscribes. A clean stop flushes queued events,
 publishes `offline` and disconnects. It must not read serving state back, decide policy,
@@ -108,6 +109,7 @@ class LinkStats:
     dropped_events: int
     policy_set_accepted: int
     policy_set_rejected: int
+    policy_set_retained_ignored: int
     telemetry_source_errors: int
 
 
@@ -149,9 +151,10 @@ class MqttLink:
     """The daemon's MQTT feed. Build it, `await start()` on the daemon's loop, feed it,
     `await stop()` at shutdown. Feeding methods are safe from any thread and never block.
 
-    policy_handler: called on the loop with each `policy/set` body; without one the
-    link does not subscribe. telemetry_source: called every mqtt.telemetry_interval_ms;
-    without one, telemetry goes out only when publish_telemetry() is called.
+    policy_handler: called on the loop with each live `policy/set` body; the link
+    subscribes only with one and with mqtt.accept_policy (accepts_policy).
+    telemetry_source: called every mqtt.telemetry_interval_ms; without one, telemetry
+    goes out only when publish_telemetry() is called.
     event_sink: receives the link's own `policy_rejected` events; default publish_event.
     """
 
@@ -174,7 +177,7 @@ class MqttLink:
             read_password_file(cfg.password_file) if cfg.password_file is not None else None
         )
         self._tls = tls_context(cfg)
-        self._policy_handler = policy_handler
+        self._policy_handler = policy_handler if cfg.accept_policy else None
         self._telemetry_source = telemetry_source
         self._event_sink = event_sink or self.publish_event
         self._backoff = Backoff(
@@ -197,6 +200,7 @@ class MqttLink:
             "connection_losses": 0,
             "policy_set_accepted": 0,
             "policy_set_rejected": 0,
+            "policy_set_retained_ignored": 0,
             "telemetry_source_errors": 0,
         }
         self._published: dict[str, int] = dict.fromkeys(
@@ -266,6 +270,11 @@ class MqttLink:
     # ---- observation ------------------------------------------------------------------------
 
     @property
+    def accepts_policy(self) -> bool:
+        """Subscribed to `policy/set` (mqtt.accept_policy, and a handler to apply it)."""
+        return self._policy_handler is not None
+
+    @property
     def connected(self) -> bool:
         with self._lock:
             return self._connected
@@ -285,6 +294,7 @@ class MqttLink:
                 dropped_events=counts.dropped_events,
                 policy_set_accepted=self._counts["policy_set_accepted"],
                 policy_set_rejected=self._counts["policy_set_rejected"],
+                policy_set_retained_ignored=self._counts["policy_set_retained_ignored"],
                 telemetry_source_errors=self._counts["telemetry_source_errors"],
             )
 
@@ -308,6 +318,18 @@ class MqttLink:
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._up = asyncio.Event()
+        if self.accepts_policy:
+            log.info(
+                "mqtt: remote policy on: live messages on %s set the policy (%s connection)%s",
+                self.topics.policy_set,
+                self.cfg.remote_policy,
+                "" if self.cfg.authenticated else "; anyone who reaches the broker may set it",
+            )
+        else:
+            log.info(
+                "mqtt: remote policy off (mqtt.accept_policy = false): %s is not subscribed",
+                self.topics.policy_set,
+            )
         self._task = asyncio.create_task(self._run(), name="wattserve-mqtt")
         if self._telemetry_source is not None:
             self._ticker = asyncio.create_task(self._tick(), name="wattserve-mqtt-telemetry")
@@ -500,10 +522,31 @@ class MqttLink:
 
     async def _receive_loop(self, client: aiomqtt.Client) -> None:
         async for message in client.messages:
-            if message.topic.matches(self.topics.policy_set):
-                payload = message.payload
-                raw = payload if isinstance(payload, bytes) else str(payload).encode()
-                self._on_policy_set(raw)
+            if not message.topic.matches(self.topics.policy_set):
+                continue
+            if message.retain:
+                # The broker flags what it stored earlier and hands over at (re)subscription.
+                # MQTT 3.1.1 says nothing of when it was published, so it could undo any
+                # later change (an HTTP PUT): only live messages apply.
+                self._ignore_retained()
+                continue
+            payload = message.payload
+            raw = payload if isinstance(payload, bytes) else str(payload).encode()
+            self._on_policy_set(raw)
+
+    def _ignore_retained(self) -> None:
+        with self._lock:
+            self._counts["policy_set_retained_ignored"] += 1
+        message = (
+            "retained policy/set ignored, nothing changed: only live messages set the policy "
+            "(publish without retain; clear the retained one with an empty retained message)"
+        )
+        log.warning("mqtt: %s", message)
+        self._event_sink(
+            EventPayload(
+                kind="policy_rejected", message=message, data={"errors": [], "retained": True}
+            )
+        )
 
     def _on_policy_set(self, payload: bytes) -> None:
         assert self._policy_handler is not None

@@ -64,6 +64,7 @@ class MqttCollector(Collector):
         )
         policy.add_metric(["accepted"], s.policy_set_accepted)
         policy.add_metric(["rejected"], s.policy_set_rejected)
+        policy.add_metric(["retained_ignored"], s.policy_set_retained_ignored)
         yield policy
         yield CounterMetricFamily(
             f"{PREFIX}_telemetry_source_errors",

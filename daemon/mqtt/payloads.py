@@ -177,6 +177,7 @@ EventKind = Literal[
     "quantization_switch",
     "device_fault",
     "engine_fault",  # the engine loop died; the process exits for a restart
+    "knob_drift",  # a device knob read back otherwise than the control loop set it
     "start",
     "drain",
     "stop",

@@ -18,11 +18,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import aiomqtt
 import httpx
 import pytest
 
@@ -48,6 +48,8 @@ ENVIRON = {"WATTSERVE_API_TOKEN": TOKEN}
 TEST_TIMEOUT_S = 120.0
 START_TIMEOUT_S = 60.0
 WAIT_S = 15.0
+# policy/set over this anonymous test broker: opted in, credentials explicitly waived.
+ANONYMOUS_POLICY = {"accept_policy": True, "accept_policy_unauthenticated": True}
 PROMPT = {"prompt": "The power budget", "max_tokens": 8, "temperature": 0.0}
 
 
@@ -211,7 +213,7 @@ def test_online_ready_periodic_telemetry_and_decision_events(broker, tiny_llama,
 def test_policy_set_changes_the_policy_seen_over_http(broker, tiny_llama, tmp_path):
     node = "daemon-policy"
     t = topics(node)
-    cfg = daemon_config(broker.port, node, tmp_path)
+    cfg = daemon_config(broker.port, node, tmp_path, **ANONYMOUS_POLICY)
     new = {"power_budget_w": 450.0, "ttft_slo_ms": 900.0, "tpot_slo_ms": 80.0, "mode": "manual"}
 
     async def body() -> None:
@@ -253,7 +255,7 @@ def test_policy_set_changes_the_policy_seen_over_http(broker, tiny_llama, tmp_pa
 def test_invalid_policy_set_changes_nothing_and_says_why(broker, tiny_llama, tmp_path):
     node = "daemon-bad-policy"
     t = topics(node)
-    cfg = daemon_config(broker.port, node, tmp_path)
+    cfg = daemon_config(broker.port, node, tmp_path, **ANONYMOUS_POLICY)
     good = {"power_budget_w": 450.0, "ttft_slo_ms": 900.0, "tpot_slo_ms": 80.0, "mode": "auto"}
     bad = [
         (json.dumps({**good, "power_budget_w": -5}), "power_budget_w"),
@@ -299,43 +301,81 @@ def test_invalid_policy_set_changes_nothing_and_says_why(broker, tiny_llama, tmp
     run(body, TEST_TIMEOUT_S)
 
 
-def test_a_retained_policy_set_read_while_loading_reaches_the_controller(
-    broker, tiny_llama, tmp_path
-):
+def test_a_retained_policy_set_never_overrides_a_later_http_put(broker, tiny_llama, tmp_path):
     node = "daemon-retained-set"
     t = topics(node)
-    cfg = daemon_config(broker.port, node, tmp_path)
-    wanted = {"power_budget_w": 321.0, "ttft_slo_ms": 700.0, "tpot_slo_ms": 70.0, "mode": "manual"}
-    applied = threading.Event()
-
-    def hold_loading(_engine: Any) -> None:
-        # The model "loads" until the daemon has applied the retained policy/set.
-        assert applied.wait(WAIT_S), "the retained policy/set was not applied while loading"
+    cfg = daemon_config(broker.port, node, tmp_path, **ANONYMOUS_POLICY)
+    fleet = {"power_budget_w": 321.0, "ttft_slo_ms": 700.0, "tpot_slo_ms": 70.0, "mode": "manual"}
+    http = {**fleet, "power_budget_w": 555.0, "mode": "auto"}
 
     async def body() -> None:
         async with Recorder(broker, t.policy, t.events) as sub:
-            await sub.publish(t.policy_set, json.dumps(wanted), retain=True)
-
-            async def confirm() -> None:
-                await sub.wait_for(t.policy, lambda p: p["power_budget_w"] == 321.0, WAIT_S)
-                applied.set()
-
-            confirmer = asyncio.create_task(confirm())
             try:
-                async with serving(cfg, tiny_llama, before_start=hold_loading) as srv:
-                    await confirmer
+                async with serving(cfg, tiny_llama) as srv:
+                    link = srv.daemon.mqtt
+                    assert link is not None and await link.wait_connected(WAIT_S)
+                    # Published with retain while the node listens: delivered live, applied.
+                    await sub.publish(t.policy_set, json.dumps(fleet), retain=True)
+                    await sub.wait_for(t.events, kind("policy_changed", changed_by="mqtt"))
                     async with httpx.AsyncClient(base_url=srv.base_url, timeout=30) as client:
+                        r = await client.put("/v1/control/policy", json=http, headers=AUTH)
+                        assert r.status_code == 200
+                        await sub.wait_for(t.policy, lambda p: p["power_budget_w"] == 555.0)
+                        # The connection drops (a client takes over the node's client id);
+                        # at the reconnect the broker hands the retained policy/set over
+                        # again: it is older than the PUT and must not undo it.
+                        async with aiomqtt.Client(
+                            "127.0.0.1", broker.port, identifier=link.client_id
+                        ):
+                            pass
+                        ignored = await sub.wait_for(
+                            t.events, lambda p: p["kind"] == "policy_rejected"
+                        )
+                        assert "retained policy/set ignored" in ignored.json()["message"]
+                        assert link.stats().connects >= 2
+                        assert (await client.get("/v1/control/policy", headers=AUTH)).json() == http
                         status = (await client.get("/v1/status")).json()
-                    assert status["policy"] == wanted
-                    assert status["controller"]["mode"] == "manual"
-                    assert status["controller"]["policy"]["power_budget_w"] == 321.0
+                    assert status["policy"] == http
+                    assert status["controller"]["policy"]["power_budget_w"] == 555.0
+                    assert status["server"]["mqtt_remote_policy"] == "unauthenticated"
             finally:
-                confirmer.cancel()
                 await sub.publish(t.policy_set, b"", retain=True)  # clear it on the broker
             changes = events_of(sub, t, "policy_changed")
-            assert [e["data"]["changed_by"] for e in changes] == ["mqtt"]
+            assert [e["data"]["changed_by"] for e in changes] == ["mqtt", "http"]
 
     run(body, TEST_TIMEOUT_S)
+
+
+def test_policy_set_is_not_taken_by_default(broker, tiny_llama, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="wattserve.mqtt")
+    node = "daemon-policy-off"
+    t = topics(node)
+    cfg = daemon_config(broker.port, node, tmp_path)  # no accept_policy
+    before = {"power_budget_w": 700.0, "ttft_slo_ms": 2000.0, "tpot_slo_ms": 200.0}
+    before |= {"mode": "auto"}
+
+    async def body() -> None:
+        async with Recorder(broker, f"wattserve/{node}/#") as sub:
+            async with serving(cfg, tiny_llama) as srv:
+                link = srv.daemon.mqtt
+                assert link is not None and not link.accepts_policy
+                await sub.wait_for(t.status, lambda p: p["phase"] == "ready")
+                await sub.publish(t.policy_set, json.dumps({**before, "power_budget_w": 100.0}))
+                # Absence has no event to wait for; two telemetry ticks bound the wait (a
+                # subscribed node applies a message within one loop turn of receiving it).
+                await sub.count(t.telemetry, len(sub.on(t.telemetry)) + 2)
+                async with httpx.AsyncClient(base_url=srv.base_url, timeout=30) as client:
+                    status = (await client.get("/v1/status")).json()
+                assert status["policy"] == before
+                assert status["server"]["mqtt_remote_policy"] == "off"
+                s = link.stats()
+                assert (s.policy_set_accepted, s.policy_set_rejected) == (0, 0)
+            assert not events_of(sub, t, "policy_changed")
+            assert not events_of(sub, t, "policy_rejected")
+
+    run(body, TEST_TIMEOUT_S)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("remote policy off" in m for m in said), said
 
 
 # ---- reliability -----------------------------------------------------------------------------
@@ -347,7 +387,7 @@ def test_broker_killed_serving_goes_on_then_reconnects_and_republishes(
     broker = own_broker
     node = "daemon-restart"
     t = topics(node)
-    cfg = daemon_config(broker.port, node, tmp_path)
+    cfg = daemon_config(broker.port, node, tmp_path, **ANONYMOUS_POLICY)
 
     async def body() -> None:
         broker.start()

@@ -86,6 +86,10 @@ class PolicyStore:
         return policy
 
 
+# policy/set over this anonymous test broker: opted in, credentials explicitly waived.
+ANONYMOUS_POLICY = {"accept_policy": True, "accept_policy_unauthenticated": True}
+
+
 def config(broker: Broker, node_id: str, **kw: Any) -> MqttConfig:
     base: dict[str, Any] = {
         "port": broker.port,
@@ -179,7 +183,7 @@ def test_policy_set_applies_valid_and_rejects_invalid_with_an_event(broker) -> N
 
     async def body() -> None:
         store = PolicyStore()
-        link = MqttLink(config(broker, node), policy_handler=store)
+        link = MqttLink(config(broker, node, **ANONYMOUS_POLICY), policy_handler=store)
         store.report = link.publish_event
         t = link.topics
         link.set_policy(store.policy)
@@ -220,6 +224,77 @@ def test_policy_set_applies_valid_and_rejects_invalid_with_an_event(broker) -> N
             stats = link.stats()
             assert (stats.policy_set_accepted, stats.policy_set_rejected) == (1, len(bad))
             await link.stop()
+
+    run(body)
+
+
+def test_without_accept_policy_policy_set_is_not_even_subscribed(broker, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="wattserve.mqtt")
+    node = "policy-off"
+
+    async def body() -> None:
+        off_store, on_store = PolicyStore(), PolicyStore()
+        off = MqttLink(config(broker, node, client_id="off"), policy_handler=off_store)
+        # A second node on the same topics that does take policy/set: once it has applied
+        # the message, the broker has handed it to every subscriber of the topic.
+        on_cfg = config(broker, node, client_id="on", **ANONYMOUS_POLICY)
+        on = MqttLink(on_cfg, policy_handler=on_store)
+        t = off.topics
+        assert not off.accepts_policy and on.accepts_policy
+        async with Recorder(broker, t.status) as sub:
+            await off.start()
+            await on.start()
+            assert await off.wait_connected(WAIT_S) and await on.wait_connected(WAIT_S)
+            await sub.count(t.status, 2)  # both subscribed (or not) before going online
+            policy = {"power_budget_w": 123, "ttft_slo_ms": 1, "tpot_slo_ms": 1, "mode": "auto"}
+            await sub.publish(t.policy_set, json.dumps(policy))
+            await wait_until(lambda: len(on_store.applied) == 1)
+            assert off_store.applied == []
+            s = off.stats()
+            assert (s.policy_set_accepted, s.policy_set_rejected) == (0, 0)
+            await off.stop()
+            await on.stop()
+
+    run(body)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("remote policy off (mqtt.accept_policy = false)" in m for m in said), said
+
+
+def test_a_retained_policy_set_is_ignored_at_connect_and_reconnect_live_ones_apply(
+    broker,
+) -> None:
+    node = "policy-retained"
+
+    async def body() -> None:
+        store = PolicyStore()
+        link = MqttLink(config(broker, node, **ANONYMOUS_POLICY), policy_handler=store)
+        store.report = link.publish_event
+        t = link.topics
+        link.set_policy(store.policy)
+        stale = {"power_budget_w": 111, "ttft_slo_ms": 1, "tpot_slo_ms": 1, "mode": "manual"}
+        live = {**stale, "power_budget_w": 222}
+        async with Recorder(broker, t.events, t.policy) as sub:
+            await sub.publish(t.policy_set, json.dumps(stale), retain=True)
+            try:
+                await link.start()
+                first = await sub.wait_for(t.events, lambda p: p["kind"] == "policy_rejected")
+                event = EventPayload.model_validate_json(first.payload)
+                assert event.data["retained"] and "retained policy/set ignored" in event.message
+                assert store.applied == []
+
+                await sub.publish(t.policy_set, json.dumps(live))  # live: applied
+                await sub.wait_for(t.policy, lambda p: p["power_budget_w"] == 222)
+                # A client taking over the link's client id drops its connection: the link
+                # reconnects, resubscribes, and the broker hands the retained one over again.
+                async with aiomqtt.Client("127.0.0.1", broker.port, identifier=link.client_id):
+                    pass
+                await wait_until(lambda: link.stats().policy_set_retained_ignored == 2)
+                assert link.stats().connects >= 2
+                assert [p.power_budget_w for p in store.applied] == [222]
+                assert store.policy.power_budget_w == 222
+            finally:
+                await sub.publish(t.policy_set, b"", retain=True)  # clear it on the broker
+                await link.stop()
 
     run(body)
 
@@ -268,7 +343,7 @@ def test_broker_killed_then_back_reconnects_republishes_and_resubscribes(own_bro
 
     async def body() -> None:
         store = PolicyStore()
-        cfg = config(broker, node, telemetry_queue_max=4, event_queue_max=8)
+        cfg = config(broker, node, telemetry_queue_max=4, event_queue_max=8, **ANONYMOUS_POLICY)
         link = MqttLink(cfg, policy_handler=store)
         t = link.topics
         link.set_policy(store.policy)
@@ -440,6 +515,7 @@ def test_password_auth_and_acl_only_the_fleet_user_may_set_policy(auth_broker, t
             node,
             username="wattserve",
             password_file=_password_file(tmp_path, USERS["wattserve"]),
+            accept_policy=True,
         )
         link = MqttLink(cfg, policy_handler=store)
         t = link.topics

@@ -313,6 +313,44 @@ def test_queue_growth_steps_up_at_once():
     assert decision.knobs.sm_clock_mhz > clock
 
 
+def test_no_clock_raise_while_the_hardware_slows_the_gpu_down_until_it_clears():
+    ctl = make_controller()
+    plant = Plant(compute_share=0.1)
+    run(ctl, plant, 60)
+    clock = ctl.knobs.sm_clock_mhz
+    assert clock < LADDER[-1]
+    # A power brake (or HW slowdown): steps slow down, the queue grows, a TTFT is missed;
+    # every guard that would raise the clock is held back while the brake is asserted.
+    held = []
+    for waiting in (1, 3, 6, 10, 15, 21):
+        plant.waiting = waiting
+        telemetry, stats = plant.tick(ctl.knobs, slowdown=True)
+        stats = EngineStats(**{**stats.__dict__, "num_waiting": waiting, "ttft_s": (2.5,)})
+        held.append(ctl.observe(telemetry, stats, plant.t_s))
+    assert all(d.knobs.sm_clock_mhz <= clock for d in held)
+    assert held[-1].reason_code is Reason.HW_SLOWDOWN_HOLD
+    assert "hardware slowdown" in held[-1].reason
+    assert ctl.status()["counters"]["decisions"]["hw_slowdown_hold"] >= 1
+    # Cleared: the same pressure raises the clock at once.
+    plant.waiting += 6
+    telemetry, stats = plant.tick(ctl.knobs)
+    stats = EngineStats(**{**stats.__dict__, "num_waiting": plant.waiting, "ttft_s": (2.5,)})
+    d = ctl.observe(telemetry, stats, plant.t_s)
+    assert d.reason_code is not Reason.HW_SLOWDOWN_HOLD
+    assert d.knobs.sm_clock_mhz > clock
+
+
+def test_under_a_hardware_slowdown_the_power_guard_still_lowers_the_clock():
+    ctl = make_controller(budget_w=300.0)
+    plant = Plant(compute_share=0.5, decode_rate_tok_s=200.0, prompt_rate_tok_s=300.0)
+    run(ctl, plant, 10)
+    telemetry, stats = plant.tick(ctl.knobs, slowdown=True)
+    clock = ctl.knobs.sm_clock_mhz or LADDER[-1]
+    hot = Telemetry(**{**telemetry.__dict__, "power_w": 450.0, "power_avg_w": 450.0})
+    d = ctl.observe(hot, stats, plant.t_s)
+    assert d.reason_code is Reason.OVER_BUDGET and d.knobs.sm_clock_mhz < clock
+
+
 def test_measured_slo_miss_steps_up_and_holds_a_floor():
     ctl = make_controller()
     plant = Plant(compute_share=0.1)

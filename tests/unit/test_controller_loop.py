@@ -22,7 +22,9 @@ from daemon.control_loop import (
     quant_options,
 )
 from daemon.device.protocol import (
+    REASON_HW_POWER_BRAKE,
     REASON_HW_SLOWDOWN,
+    REASON_HW_THERMAL,
     REASON_SW_POWER_CAP,
     Capabilities,
     Knob,
@@ -225,6 +227,10 @@ def test_telemetry_conversion_decodes_reasons():
     c = controller_telemetry(hot)
     assert c.sw_power_cap and c.hw_slowdown and not c.thermal_throttle
     assert c.power_w == 250.0 and c.sm_clock_mhz == 1980
+    # The brake's cause bits alone are a hardware slowdown too (NVML may set them alone).
+    for bits in (REASON_HW_POWER_BRAKE, REASON_HW_THERMAL):
+        braked = Telemetry(**{**t.__dict__, "clock_event_reasons_mask": bits})
+        assert controller_telemetry(braked).hw_slowdown
 
 
 def test_device_constraints_follow_the_gate():

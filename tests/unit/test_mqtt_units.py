@@ -300,11 +300,34 @@ def test_window_latency_percentiles_and_slo_attainment() -> None:
         ({"reconnect_initial_ms": 900, "reconnect_max_ms": 100}, "reconnect_max_ms"),
         ({"node_id": "a/b"}, "mqtt.node_id"),
         ({"keepalive_s": 1}, "mqtt.keepalive_s"),
+        ({"accept_policy": True}, "accept_policy = true over an unauthenticated connection"),
+        (
+            {"accept_policy": True, "username": "wattserve"},  # a name alone proves nothing
+            "accept_policy_unauthenticated = true",
+        ),
+        ({"accept_policy_unauthenticated": True}, "but accept_policy is not"),
     ],
 )
 def test_mqtt_config_errors_name_the_key(mqtt: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, {"mqtt": mqtt})
+
+
+def test_remote_policy_is_opt_in_and_needs_credentials_or_an_explicit_waiver() -> None:
+    assert MqttConfig().remote_policy == "off"  # the default: policy/set is not taken
+    password = {"username": "wattserve", "password_file": "/pw"}
+    assert MqttConfig(accept_policy=True, **password).remote_policy == "authenticated"
+    cert = {"tls_enabled": True, "tls_cert_file": "/c.pem"}
+    assert MqttConfig(accept_policy=True, **cert).remote_policy == "authenticated"
+    waived = MqttConfig(accept_policy=True, accept_policy_unauthenticated=True)
+    assert waived.remote_policy == "unauthenticated"
+    assert MqttConfig(enabled=False, **password, accept_policy=True).remote_policy == "off"
+    # The link takes the config's word, whatever handler the daemon hands it.
+    off = MqttLink(MqttConfig(node_id="n"), policy_handler=lambda f: f)
+    assert not off.accepts_policy
+    assert MqttLink(
+        waived.model_copy(update={"node_id": "n"}), policy_handler=lambda f: f
+    ).accepts_policy
 
 
 def test_mqtt_config_from_environment(monkeypatch) -> None:
@@ -369,7 +392,8 @@ def test_policy_set_events_rejections_to_the_sink_changes_to_the_handler() -> No
         applied.append(fields)
         return fields
 
-    link = MqttLink(MqttConfig(node_id="n"), policy_handler=handler, event_sink=sunk.append)
+    cfg = MqttConfig(node_id="n", accept_policy=True, accept_policy_unauthenticated=True)
+    link = MqttLink(cfg, policy_handler=handler, event_sink=sunk.append)
     link._on_policy_set(b'{"power_budget_w": -1}')
     link._on_policy_set(b"[1]")
     assert [e.kind for e in sunk] == ["policy_rejected", "policy_rejected"]
