@@ -3,6 +3,7 @@ without the cache, through chunked prefill, preemption and aborts, and the pool 
 
 from __future__ import annotations
 
+import json
 import random
 
 from daemon.engine.engine import Engine, EngineOptions
@@ -81,3 +82,18 @@ def test_tight_pool_preemption_and_abort_free_every_reference(tiny_llama):
     assert eng.counters.preemptions > 0
     assert eng.counters.prefix_cache_hit_tokens > 0
     assert eng.kv.num_used_blocks == 0 and eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+def test_bench_prefix_prints_both_modes_in_one_json_line(tiny_dirs, tmp_path, monkeypatch, capsys):
+    from daemon.cli import main
+
+    monkeypatch.setenv("WATTSERVE_CACHE", str(tmp_path))
+    argv = ["bench", "prefix", "--model", str(tiny_dirs["llama"]), "--requests", "6"]
+    argv += ["--system-tokens", "80", "--max-suffix", "20", "--new-tokens", "3"]
+    argv += ["--max-num-batched-tokens", "64", "--kv-cache-mib", "4"]
+    assert main(argv) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("ttft_p50_ms_cache", "ttft_p50_ms_no_cache", "tok_s_cache", "tok_s_no_cache"):
+        assert line[key] > 0, key
+    assert 0 < line["prefix_hit_ratio"] < 1
+    assert line["dtype"] == "float32" and line["threads"] >= 1 and line["requests"] == 6
