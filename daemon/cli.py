@@ -132,6 +132,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from bench import serve as bench_serve
 
         return bench_serve.main(args.rest)
+    if args.which == "prefix":
+        from bench import prefix as bench_prefix
+
+        return bench_prefix.main(args.rest)
     if args.which == "control":
         from bench import control as bench_control
 
@@ -217,7 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_install_service)
 
     p = sub.add_parser("bench", help="benchmarks (each prints one JSON line last)")
-    p.add_argument("which", choices=["engine", "serve", "quant", "control", "control-ceiling"])
+    p.add_argument(
+        "which", choices=["engine", "serve", "quant", "prefix", "control", "control-ceiling"]
+    )
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)
     return parser

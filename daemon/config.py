@@ -90,6 +90,9 @@ class EngineConfig(_Section):
     quant_prepare: Literal["lazy", "start"] = Field(
         "lazy", description="Build each level's weights on first use, or all at start."
     )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse the KV blocks of prompt prefixes computed before."
+    )
 
     @model_validator(mode="after")
     def _check_quant_level(self) -> EngineConfig:

@@ -63,7 +63,10 @@ def load_cpu_kernels() -> bool:
         cpp_extension.load(
             name=build_name(),
             sources=[str(_CSRC / s) for s in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast"],
+            # -fopenmp: at::parallel_for is OpenMP in torch's CPU build; without it the
+            # kernel runs on one thread whatever torch.get_num_threads() says.
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"],
+            extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
         )

@@ -102,6 +102,13 @@ async def status(request: Request) -> StatusResponse:
                 "used_blocks": engine.kv.num_used_blocks,
                 "total_blocks": engine.kv.num_blocks,
                 "usage_ratio": engine.kv.usage,
+                "cached_free_blocks": engine.kv.num_evictable_blocks,
+            },
+            "prefix_cache": {
+                "enabled": engine.kv.enable_prefix_caching,
+                "hit_tokens": c.prefix_cache_hit_tokens,
+                "queried_tokens": c.prefix_cache_queried_tokens,
+                "hit_ratio": c.prefix_cache_hit_ratio,
             },
             "counters": {
                 "requests_finished": dict(c.requests_finished),

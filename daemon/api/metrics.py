@@ -81,6 +81,22 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(
             f"{PREFIX}_kv_cache_total_blocks", "KV-cache blocks in the pool", value=kv.num_blocks
         )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_kv_cache_cached_free_blocks",
+            "Unreferenced KV-cache blocks still holding a reusable prefix",
+            value=kv.num_evictable_blocks,
+        )
+        counters = engine.counters
+        yield CounterMetricFamily(
+            f"{PREFIX}_prefix_cache_queried_tokens",
+            "Tokens of admitted sequences looked up in the prefix cache",
+            value=counters.prefix_cache_queried_tokens,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_prefix_cache_hit_tokens",
+            "Tokens found in the prefix cache and not computed",
+            value=counters.prefix_cache_hit_tokens,
+        )
         limits = engine.limits
         yield GaugeMetricFamily(
             f"{PREFIX}_batch_cap_seqs",

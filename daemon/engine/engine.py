@@ -52,6 +52,7 @@ class EngineOptions:
     quantization_levels: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
     quantization_level: str | None = None  # None: the loaded dtype's level
     quant_prepare: str = "lazy"  # "lazy": build a level on first use; "start": all at start
+    enable_prefix_caching: bool = True  # share the KV blocks of equal prompt prefixes
 
     @classmethod
     def from_config(cls, engine_cfg) -> EngineOptions:
@@ -66,6 +67,7 @@ class EngineOptions:
             quantization_levels=tuple(engine_cfg.quantization_levels),
             quantization_level=engine_cfg.quantization_level,
             quant_prepare=engine_cfg.quant_prepare,
+            enable_prefix_caching=engine_cfg.enable_prefix_caching,
         )
 
 
@@ -98,6 +100,13 @@ class EngineCounters:
     generation_tokens: int = 0
     steps: int = 0
     preemptions: int = 0
+    prefix_cache_queried_tokens: int = 0  # tokens of admitted sequences looked up
+    prefix_cache_hit_tokens: int = 0  # of those, found cached and not computed
+
+    @property
+    def prefix_cache_hit_ratio(self) -> float | None:
+        q = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / q if q else None
 
 
 @dataclass
@@ -146,7 +155,9 @@ class Engine:
         self.model = LlamaModel(
             loaded.hf_model, num_blocks, options.block_size_tokens, loaded.dtype
         )
-        self.kv = KVCacheManager(num_blocks, options.block_size_tokens)
+        self.kv = KVCacheManager(
+            num_blocks, options.block_size_tokens, options.enable_prefix_caching
+        )
         self.scheduler = Scheduler(self.kv)
         self._limits = EngineLimits(options.max_num_seqs, options.max_num_batched_tokens)
         self.eos_token_ids = _eos_ids(loaded)
@@ -160,6 +171,7 @@ class Engine:
             for level in self._quant_allowed:
                 self.model.prepare_level(level)
         self.model.use_level(start_level)
+        self.kv.set_namespace(start_level)
         self._quant_target = start_level  # written by set_quant_level, read by the loop
         self._weight_bytes = self.model.weight_bytes()
         self._kv_bytes_per_token = bpb // options.block_size_tokens
@@ -180,12 +192,13 @@ class Engine:
         self.last_step: StepStats | None = None
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB; max_model_len %d; "
-            "attention: %s",
+            "prefix caching %s; attention %s",
             num_blocks,
             options.block_size_tokens,
             self.kv_spec.capacity_tokens,
             self.kv_spec.total_bytes / 2**20,
             self.max_model_len,
+            "on" if options.enable_prefix_caching else "off",
             self.model.attention_backend,
         )
         log.info(
@@ -277,6 +290,7 @@ class Engine:
         if target != self.model.level:
             previous = self.model.level
             self.model.use_level(target)
+            self.kv.set_namespace(target)  # cached KV of the old level is not reused
             self._weight_bytes = self.model.weight_bytes()
             log.info("quantization level %s -> %s", previous, target)
 
@@ -431,6 +445,8 @@ class Engine:
         ctx = sum(c.start + c.num_tokens for c in plan.chunks)
         self.counters.steps += 1
         self.counters.preemptions += len(plan.preempted)
+        self.counters.prefix_cache_queried_tokens += plan.prefix_queried_tokens
+        self.counters.prefix_cache_hit_tokens += plan.prefix_hit_tokens
         stats = StepStats(
             step=next(self._step_ids),
             started_at_s=t0,

@@ -96,6 +96,9 @@ class ScheduledChunk:
 class SchedulePlan:
     chunks: list[ScheduledChunk]
     preempted: list[Sequence]
+    # Prefix cache, over this step's admissions: tokens looked up, and found cached.
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -119,6 +122,10 @@ class Scheduler:
     original place with its generated tokens kept; on readmission prompt + output are
     recomputed, so its continuation is the one it would have produced uninterrupted.
     Lowering the cap below the running count preempts the same way; nothing is dropped.
+    With prefix caching, an admitted sequence first takes the cached full blocks its
+    tokens start with (shared, never written again) and is charged only the tokens after
+    them; each block a step fills is registered for later sequences (commit()). A
+    preempted sequence finds its own blocks again this way unless they were evicted.
     """
 
     def __init__(self, kv: KVCacheManager) -> None:
@@ -195,27 +202,41 @@ class Scheduler:
             budget -= n
 
         # Admit only when nothing had to be preempted: the pool is tight otherwise.
+        plan_queried = plan_hits = 0
         while not preempted and self.waiting and budget > 0:
             if len(self.running) >= limits.max_num_seqs:
                 break
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.kv.allocate(seq.seq_id, n):
+            prefix = self.kv.match(seq.token_ids(0, seq.num_tokens))
+            start = prefix.num_tokens
+            n = min(seq.num_tokens - start, budget)
+            if not self.kv.allocate(seq.seq_id, start + n, prefix):
                 break
             self.waiting.pop(0)
             seq.status = SeqStatus.RUNNING
+            seq.num_computed_tokens = start
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
-            chunks.append(ScheduledChunk(seq, 0, n, n == seq.num_tokens))
+            chunks.append(ScheduledChunk(seq, start, n, start + n == seq.num_tokens))
             budget -= n
-        return SchedulePlan(chunks=chunks, preempted=preempted)
+            if self.kv.enable_prefix_caching:
+                plan_queried += seq.num_tokens
+                plan_hits += start
+        return SchedulePlan(chunks, preempted, plan_queried, plan_hits)
 
     def commit(self, plan: SchedulePlan, sampled: dict[str, int]) -> None:
-        """Record a finished step: advance computed counts, append sampled tokens."""
+        """Record a finished step: advance computed counts, register the blocks it filled
+        in the prefix cache, append sampled tokens."""
+        bs = self.kv.block_size
         for chunk in plan.chunks:
             seq = chunk.seq
             if seq.status is not SeqStatus.RUNNING:
                 continue  # finished or aborted while the step ran
             seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            if self.kv.enable_prefix_caching:
+                done = self.kv.num_cached_blocks(seq.seq_id)
+                full = seq.num_computed_tokens // bs
+                if full > done:
+                    self.kv.cache_full_blocks(seq.seq_id, seq.token_ids(done * bs, full * bs))
             token = sampled.get(seq.seq_id)
             if chunk.samples and token is not None:
                 seq.output_token_ids.append(token)

@@ -412,6 +412,22 @@ def test_metrics(client) -> None:
         assert f"wattserve_{gauge}" in after
 
 
+def test_prefix_cache_hits_in_metrics_and_status(client) -> None:
+    before = _samples(client)
+    body = {"prompt": "a shared system prompt, " * 12, "max_tokens": 1}
+    for _ in range(2):  # the second finds the first's full blocks cached
+        assert client.post("/v1/completions", json=body).status_code == 200
+    after = _samples(client)
+    hits = after["wattserve_prefix_cache_hit_tokens_total"]
+    queried = after["wattserve_prefix_cache_queried_tokens_total"]
+    assert hits - before["wattserve_prefix_cache_hit_tokens_total"] >= 16
+    assert queried - before["wattserve_prefix_cache_queried_tokens_total"] >= 32
+    prefix = client.get("/v1/status").json()["engine"]["prefix_cache"]
+    assert prefix["enabled"] is True
+    assert (prefix["hit_tokens"], prefix["queried_tokens"]) == (hits, queried)
+    assert prefix["hit_ratio"] == hits / queried
+
+
 def test_status_snapshot(client) -> None:
     status = client.get("/v1/status").json()
     assert status["phase"] == "ready"
