@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import random
 import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from daemon.engine import engine as engine_module
 from daemon.engine.engine import Engine, EngineOptions
 from daemon.engine.loader import load_model
 from daemon.engine.request import InvalidRequestError, RequestOutput, SamplingParams
+from daemon.engine.scheduler import DECODE_INTERVAL_MAX_MS
 
 NEW_TOKENS = 16
 # EOS stays on: HF's min_new_tokens would mask EOS out of the argmax, ignore_eos does not.
@@ -262,9 +266,13 @@ def test_seeded_sampling_is_reproducible(tiny_llama):
     assert a == b and a != c
 
 
-def test_decode_pacing_holds_decode_only_steps_until_an_arrival(tiny_llama):
+def test_decode_pacing_holds_decode_only_steps_until_an_arrival(tiny_llama, monkeypatch):
+    # The engine's clock stands still, so the interval never runs out by itself however
+    # slowly this test runs; only an arrival or turning pacing off ends the wait.
+    frozen_s = time.monotonic()
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(monotonic=lambda: frozen_s))
     engine = Engine(tiny_llama, EngineOptions(kv_cache_bytes=64 * block_bytes(tiny_llama)))
-    engine.set_limits(decode_interval_ms=60_000.0)  # far longer than this test runs
+    engine.set_limits(decode_interval_ms=DECODE_INTERVAL_MAX_MS)
     outs: list[RequestOutput] = []
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     engine.add_request([5] * 20, params, outs.append)
@@ -275,7 +283,8 @@ def test_decode_pacing_holds_decode_only_steps_until_an_arrival(tiny_llama):
     second = engine.step()
     assert second is not None and second.prefill_tokens == 0 and second.decode_tokens == 1
     assert engine.step() is None and engine.step() is None
-    assert engine.pacing_wait_s() > 50.0 and engine.counters.steps == 2
+    assert engine.pacing_wait_s() == DECODE_INTERVAL_MAX_MS / 1000.0
+    assert engine.counters.steps == 2
     # An arrival ends the wait: its prefill step runs at once.
     engine.add_request([7] * 9, params, outs.append)
     third = engine.step()
