@@ -4,8 +4,8 @@ torch.utils.cpp_extension compiles the sources with the local C++ compiler (g++,
 from PyPI) on first use, for this CPU's instruction set (-march=native), and keeps the
 library in torch's extension cache (`$TORCH_EXTENSIONS_DIR`, default
 ~/.cache/torch_extensions); later processes load it in well under a second. The build's
-name carries a hash of the sources, the torch version and the CPU's flags, so a changed
-kernel or another processor gets its own build. Loading registers the ops under
+name carries a hash of the sources, the compiler flags, the torch version and the CPU's
+flags, so a changed kernel or another processor gets its own build. Loading registers the ops under
 `torch.ops.wattserve`. Where the build fails (no compiler), `load_cpu_kernels()` returns
 False, says why once in the log, and callers take their plain-torch paths. It must not
 decide which path a step takes (attention.py does).
@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("paged_attention.cpp",)
+# -fopenmp: at::parallel_for is OpenMP in torch's CPU build; without it the kernel runs
+# on one thread whatever torch.get_num_threads() says.
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
 # WATTSERVE_CPU_KERNELS=0 turns the C++ kernels off (the plain-torch paths serve).
 _ENV_SWITCH = "WATTSERVE_CPU_KERNELS"
 
@@ -41,10 +44,11 @@ def _cpu_flags() -> str:
 
 
 def build_name() -> str:
-    """The extension's name: changes with the sources, torch and the CPU's instruction set."""
+    """The extension's name: changes with the sources, flags, torch and the CPU's flags."""
     h = hashlib.sha256()
     for src in _SOURCES:
         h.update((_CSRC / src).read_bytes())
+    h.update(" ".join(_CFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_flags().encode())
     return f"wattserve_cpu_kernels_{h.hexdigest()[:12]}"
@@ -63,9 +67,7 @@ def load_cpu_kernels() -> bool:
         cpp_extension.load(
             name=build_name(),
             sources=[str(_CSRC / s) for s in _SOURCES],
-            # -fopenmp: at::parallel_for is OpenMP in torch's CPU build; without it the
-            # kernel runs on one thread whatever torch.get_num_threads() says.
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"],
+            extra_cflags=list(_CFLAGS),
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
