@@ -46,6 +46,9 @@ inline void axpy_row(float* acc, float p, const scalar_t* v, int64_t d) {
   for (int64_t i = 0; i < d; ++i) acc[i] += p * static_cast<float>(v[i]);
 }
 
+// Below this many (key, query row) pairs in a whole call, the step runs on one thread.
+constexpr int64_t kSerialKeysTimesRows = 8192;
+
 struct WorkItem {
   int64_t seq;
   int64_t kv_head;
@@ -79,7 +82,13 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         work.push_back({b, g, t0, std::min(nq, t0 + kQueryTile)});
   }
 
-  at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
+  // A step too small to pay for waking the other threads (one decode at a short context)
+  // runs on this one: grain = all items.
+  int64_t keys_x_rows = 0;
+  for (const WorkItem& it : work) keys_x_rows += cl[it.seq] * (it.q_end - it.q_begin) * G;
+  const int64_t items = static_cast<int64_t>(work.size());
+  const int64_t grain = keys_x_rows < kSerialKeysTimesRows ? std::max<int64_t>(items, 1) : 1;
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     const int64_t rows_max = kQueryTile * G;
     std::vector<float> qf(rows_max * D), acc(rows_max * D), m(rows_max), l(rows_max);
     std::vector<float> s(bs);
