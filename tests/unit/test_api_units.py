@@ -114,6 +114,7 @@ class _FakeLimits:
 
 class _FakeEngine:
     limits = _FakeLimits()
+    fault = None  # the loop thread is alive
 
 
 def test_admission_states() -> None:
