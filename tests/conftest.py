@@ -21,6 +21,14 @@ def _threads() -> None:
     torch.set_num_threads(2)
 
 
+@pytest.fixture
+def clean_wattserve_env(monkeypatch) -> None:
+    """No WATTSERVE_* variable from the caller's environment reaches the test's config."""
+    for name in list(os.environ):
+        if name.startswith("WATTSERVE_"):
+            monkeypatch.delenv(name)
+
+
 @pytest.fixture(scope="session")
 def cache_dir() -> Path:
     """Converted-weights cache shared by the whole session (and later runs)."""

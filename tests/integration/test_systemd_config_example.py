@@ -23,13 +23,7 @@ _KEY_LINE = re.compile(r"^# ([a-z_][a-z0-9_]*) = (.+)$")
 _UNSET = re.compile(r"#\s*default: unset\s*$")
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch) -> None:
-    import os
-
-    for name in list(os.environ):
-        if name.startswith("WATTSERVE_"):
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("clean_wattserve_env")
 
 
 def _example() -> dict[str, dict[str, tuple[Any, bool]]]:

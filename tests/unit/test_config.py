@@ -10,14 +10,7 @@ from pydantic import ValidationError
 from daemon.cli import main
 from daemon.config import ConfigError, load_config
 
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    import os
-
-    for name in list(os.environ):
-        if name.startswith("WATTSERVE_"):
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("clean_wattserve_env")
 
 
 def write(tmp_path, text):

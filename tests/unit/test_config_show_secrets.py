@@ -3,7 +3,6 @@ field that is set shows as <redacted>; *_file fields (paths) show as they are.""
 
 from __future__ import annotations
 
-import os
 import tomllib
 
 import pytest
@@ -14,11 +13,7 @@ from daemon.cli import REDACTED, main, redact_secrets
 SECRET = "s3cret-control-token"
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith("WATTSERVE_"):
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("clean_wattserve_env")
 
 
 def test_config_show_redacts_the_api_token(tmp_path, capsys, monkeypatch):

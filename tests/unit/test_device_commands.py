@@ -17,11 +17,7 @@ from daemon.device.virtual import SimClock
 STATE_NAME = "device-GPU-virtual-0.json"
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith("WATTSERVE_"):
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("clean_wattserve_env")
 
 
 def config(tmp_path, mode="observe", backend="virtual"):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 import pytest
 
@@ -25,11 +24,7 @@ from daemon.device.virtual import SimClock, VirtualGpu
 STATE_NAME = "device-GPU-virtual-0.json"
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith("WATTSERVE_"):
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("clean_wattserve_env")
 
 
 def control_config(tmp_path):

@@ -22,11 +22,7 @@ from daemon.engine.loader import load_model
 STATE_NAME = "device-GPU-virtual-0.json"
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith("WATTSERVE_"):
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("clean_wattserve_env")
 
 
 @pytest.fixture(scope="module")
