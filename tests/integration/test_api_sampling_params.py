@@ -256,18 +256,37 @@ def _greedy(oai, max_tokens: int = 16, **extra):
 
 def test_penalties_stop_greedy_repetition(oai, tiny_llama) -> None:
     plain = _hf_greedy(tiny_llama, PROMPT, 24)[0]
-    assert len(set(plain)) < len(plain), "greedy decoding of this prompt repeats a token"
+    first_repeat = next(i for i, t in enumerate(plain) if t in plain[:i])
+    assert first_repeat < 10, "greedy decoding of this prompt repeats a token early"
+    plain_tokens = [tiny_llama.tokenizer.decode([t]) for t in plain]
     for extra in (
-        {"frequency_penalty": 2.0, "extra_body": {"repetition_penalty": 2.0}},
-        {"presence_penalty": 2.0, "extra_body": {"repetition_penalty": 2.0}},
+        {"frequency_penalty": 2.0},
+        {"presence_penalty": 2.0},
+        {"extra_body": {"repetition_penalty": 2.0}},
     ):
-        choice = _greedy(oai, 24, **extra)
-        assert len(choice.logprobs.tokens) == 24
-        plain_text = tiny_llama.tokenizer.decode(plain)
-        assert choice.text != plain_text
-    # Repetition penalty alone also covers the prompt's tokens.
-    choice = _greedy(oai, 24, extra_body={"repetition_penalty": 2.0})
-    assert choice.text != tiny_llama.tokenizer.decode(plain)
+        for stream in (False, True):
+            kwargs = dict(
+                prompt=PROMPT,
+                max_tokens=24,
+                temperature=0,
+                logprobs=0,
+                **{k: v for k, v in extra.items() if k != "extra_body"},
+                extra_body={"ignore_eos": True, **extra.get("extra_body", {})},
+            )
+            if stream:
+                tokens = [
+                    t
+                    for p in oai.completions.create(stream=True, **kwargs)
+                    for c in p.choices
+                    if c.logprobs
+                    for t in c.logprobs.tokens
+                ]
+            else:
+                tokens = oai.completions.create(**kwargs).choices[0].logprobs.tokens
+            assert len(tokens) == 24
+            # Same as greedy up to the first repeat, which the penalty prevents.
+            assert tokens[:first_repeat] == plain_tokens[:first_repeat], extra
+            assert tokens.count(plain_tokens[first_repeat]) == 1, extra
 
 
 def test_logit_bias_bans_a_token(oai, tiny_llama) -> None:
