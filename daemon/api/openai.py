@@ -1,10 +1,11 @@
 """OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models.
 
-A handler validates the body (pydantic), renders and tokenizes the prompt off the event
-loop, builds SamplingParams, takes an admission slot and queues the request; then it
-either collects the whole answer or streams it as server-sent events in OpenAI's chunk
-format, ending with `data: [DONE]`. Every refusal happens before the response starts,
-so it carries a real status code. A client that disconnects has its sequence aborted.
+A handler validates the body (pydantic), renders and tokenizes the prompts off the event
+loop, builds SamplingParams, and queues one engine request per choice (n per prompt,
+each with its admission slot; choices.py); then it either collects the whole answer or
+streams it as server-sent events in OpenAI's chunk format (logprobs and echo included),
+ending with `data: [DONE]`. Every refusal happens before the response starts, so it
+carries a real status code. A client that disconnects has its sequences aborted.
 This module formats and routes; it must not schedule, sample or touch tensors.
 """
 
