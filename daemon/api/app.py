@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.openapi.utils import get_openapi
 
-from daemon.api import control, dashboard, openai
+from daemon.api import control, dashboard, openai, tokenize
 from daemon.api.errors import ErrorResponse, install_error_handlers
 from daemon.api.middleware import BodyLimitMiddleware, HostAllowlistMiddleware
 from daemon.api.schemas import ChatCompletionChunk, CompletionChunk
@@ -53,6 +53,7 @@ def create_app(state: ServingState, bound_host: str | None = None) -> FastAPI:
 
     install_error_handlers(app, on_invalid_body=count_invalid)
     app.include_router(openai.router)
+    app.include_router(tokenize.router)
     app.include_router(control.router)
     if state.cfg.server.dashboard_enabled:
         app.include_router(dashboard.build_router(state))

@@ -1,31 +1,38 @@
 """OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models.
 
-A handler validates the body (pydantic), renders and tokenizes the prompt off the event
-loop, builds SamplingParams, takes an admission slot and queues the request; then it
-either collects the whole answer or streams it as server-sent events in OpenAI's chunk
-format, ending with `data: [DONE]`. Every refusal happens before the response starts,
-so it carries a real status code. A client that disconnects has its sequence aborted.
+A handler validates the body (pydantic), renders and tokenizes the prompts off the event
+loop, builds SamplingParams, and queues one engine request per choice (n per prompt,
+each with its admission slot; choices.py); then it either collects the whole answer or
+streams it as server-sent events in OpenAI's chunk format (logprobs and echo included),
+ending with `data: [DONE]`. Every refusal happens before the response starts, so it
+carries a real status code. A client that disconnects has its sequences aborted.
 This module formats and routes; it must not schedule, sample or touch tensors.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from daemon.api.choices import Choices, ChoiceSpec, start_choices
 from daemon.api.errors import APIError, error_body, error_response, from_invalid_request
-from daemon.api.generation import ClientGone, GenerationStream, start_generation
+from daemon.api.generation import ClientGone, GenerationStream
+from daemon.api.logprobs import CompletionLogprobs, TokenText, chat_content
 from daemon.api.schemas import (
+    _SEED_MAX,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatMessage,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
@@ -34,7 +41,7 @@ from daemon.api.schemas import (
 )
 from daemon.api.state import ServingState, Unavailable
 from daemon.engine.engine import Engine
-from daemon.engine.request import InvalidRequestError, SamplingParams
+from daemon.engine.request import InvalidRequestError, RequestOutput, SamplingParams, TokenLogprob
 
 router = APIRouter(tags=["openai"])
 
@@ -119,10 +126,10 @@ async def list_models(request: Request) -> ModelList:
 async def completions(body: CompletionRequest, request: Request) -> Any:
     state = serving(request)
     engine = require_engine(state)
-    prompt = body.prompt_input()
+    prompts = body.prompt_inputs()
 
-    def tokenize() -> list[int]:
-        return engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+    def tokenize() -> list[list[int]]:
+        return [engine.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
 
     return await _generate(request, state, engine, body, tokenize, "text_completion", "prompt")
 
@@ -135,18 +142,24 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     state = serving(request)
     engine = require_engine(state)
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in body.messages
-    ]
+    messages = chat_messages(body.messages)
 
-    def render() -> list[int]:
-        return render_chat(engine, messages)
+    def render() -> list[list[int]]:
+        return [render_chat(engine, messages)]
 
     return await _generate(request, state, engine, body, render, "chat.completion", "messages")
 
 
-def render_chat(engine: Engine, messages: list[dict[str, str]]) -> list[int]:
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    return [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for m in messages
+    ]
+
+
+def render_chat(
+    engine: Engine, messages: list[dict[str, str]], add_generation_prompt: bool = True
+) -> list[int]:
     """Apply the tokenizer's chat template and tokenize; template failures are the caller's."""
     tokenizer = engine.tokenizer
     if not getattr(tokenizer, "chat_template", None):
@@ -154,7 +167,9 @@ def render_chat(engine: Engine, messages: list[dict[str, str]]) -> list[int]:
             "this model has no chat template; use /v1/completions", param="messages"
         )
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
     except Exception as e:  # jinja raises TemplateError (and others) for messages it rejects
         raise InvalidRequestError(
             f"the chat template rejected the messages: {e}", param="messages"
@@ -181,6 +196,17 @@ def sampling_params(
         temperature = 0.0
     if top_p < _MIN_TOP_P:
         top_p, top_k = 1.0, 1
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs and not body.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        prompt_logprobs = None
+    else:
+        assert isinstance(body, CompletionRequest)
+        if body.best_of is not None and body.best_of != body.n:
+            raise InvalidRequestError("best_of must equal n (choices are not ranked)", "best_of")
+        logprobs = body.logprobs
+        prompt_logprobs = body.logprobs if body.echo else None
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -191,7 +217,62 @@ def sampling_params(
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         priority=body.priority,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=body.logit_bias_pairs,
+        min_p=body.min_p or 0.0,
+        min_tokens=body.min_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
     )
+
+
+def _choice_specs(
+    body: CompletionRequest | ChatCompletionRequest,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    engine: Engine,
+    default_max_tokens: int,
+) -> list[ChoiceSpec]:
+    """n choices per prompt, indexed prompt by prompt; sample j is seeded seed + j."""
+    specs = []
+    for p, ids in enumerate(prompts):
+        params = sampling_params(body, max_tokens, len(ids), engine, default_max_tokens)
+        for j in range(body.n):
+            seed = None if body.seed is None else (body.seed + j) % (_SEED_MAX + 1)
+            specs.append(ChoiceSpec(p * body.n + j, p, ids, dataclasses.replace(params, seed=seed)))
+    return specs
+
+
+@dataclass
+class _Shape:
+    """How the answer is shaped beyond the text (logprobs, echo) and its helpers."""
+
+    chat: bool
+    logprobs: bool
+    echo: bool
+    prompt_only: bool  # completions max_tokens 0: the one token generated is dropped
+    token_text: TokenText
+    prompt_texts: list[str]
+
+
+def _completion_logprobs(
+    shape: _Shape, spec: ChoiceSpec, out: RequestOutput, builder: CompletionLogprobs
+) -> dict[str, Any] | None:
+    if not shape.logprobs:
+        return None
+    entries: list[TokenLogprob | None] = []
+    ids: list[int] = []
+    if shape.echo and out.prompt_logprobs is not None:
+        entries += out.prompt_logprobs
+        ids += spec.prompt_token_ids[: len(out.prompt_logprobs)]
+    if not shape.prompt_only and out.logprobs:
+        entries += out.logprobs
+        ids += out.token_ids
+    return builder.block(entries, ids)
 
 
 async def _generate(
@@ -199,25 +280,32 @@ async def _generate(
     state: ServingState,
     engine: Engine,
     body: CompletionRequest | ChatCompletionRequest,
-    build_prompt: Callable[[], list[int]],
+    build_prompts: Callable[[], list[list[int]]],
     kind: str,
     prompt_param: str,
 ) -> Any:
     arrival_s = time.monotonic()
     model = check_model(state, engine, body.model)
+    chat = isinstance(body, ChatCompletionRequest)
     if isinstance(body, ChatCompletionRequest):
         max_tokens, max_param = body.max_new_tokens, body.max_tokens_param
+        echo, prompt_only = False, False
     else:
         max_tokens, max_param = body.max_tokens, "max_tokens"
+        echo, prompt_only = body.echo, body.max_tokens == 0
+        if prompt_only:
+            max_tokens = 1  # the prompt's logprobs come with the first step; its token is dropped
     rename = {"prompt": prompt_param, "max_tokens": max_param}
     try:
+        if prompt_only and not echo:
+            raise InvalidRequestError("max_tokens must be >= 1 (0 only with echo)", "max_tokens")
         # Templating and tokenizing a long prompt takes a while: keep the loop responsive.
-        ids = await asyncio.to_thread(build_prompt)
-        params = sampling_params(
-            body, max_tokens, len(ids), engine, state.cfg.engine.default_max_tokens
+        prompts = await asyncio.to_thread(build_prompts)
+        specs = _choice_specs(
+            body, prompts, max_tokens, engine, state.cfg.engine.default_max_tokens
         )
-        rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex
-        stream = start_generation(state, ids, params, rid, arrival_s)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        choices = start_choices(state, specs, rid, arrival_s)
     except InvalidRequestError as e:
         state.metrics.requests.labels("rejected_invalid").inc()
         raise from_invalid_request(e, rename) from None
@@ -226,65 +314,115 @@ async def _generate(
             "rejected_overload" if e.reason == "overloaded" else "rejected_unavailable"
         ).inc()
         raise unavailable_error(e) from None
+    text_of = TokenText(engine.tokenizer)
+    shape = _Shape(
+        chat=chat,
+        logprobs=specs[0].params.logprobs is not None,
+        echo=echo,
+        prompt_only=prompt_only,
+        token_text=text_of,
+        prompt_texts=(
+            [_prompt_text(engine, p, q) for p, q in zip(prompts, _raw_prompts(body), strict=True)]
+            if echo
+            else []
+        ),
+    )
     created = int(time.time())
     headers = {"X-Request-Id": rid}
     if body.stream:
-        chunks = _sse_chunks(stream, kind, rid, created, model, body.include_usage)
-        return EngineEventStream(stream, chunks, headers=headers)
+        chunks = _sse_chunks(choices, shape, kind, rid, created, model, body.include_usage)
+        return EngineEventStream(choices, chunks, headers=headers)  # type: ignore[arg-type]
     try:
-        text = await _collect(stream, request)
+        collected = await _collect(choices, shape, request)
     except ClientGone:
         return error_response(400, "the client closed the request", code="client_disconnected")
     finally:
-        stream.close()
-    if stream.finish_reason == "error":
-        return error_response(500, stream.error or "generation failed", code="engine_error")
+        choices.close()
+    for s in choices.streams:
+        if s.finish_reason == "error":
+            return error_response(500, s.error or "generation failed", code="engine_error")
+    completion_tokens = 0 if prompt_only else choices.completion_tokens
     usage = {
-        "prompt_tokens": stream.prompt_tokens,
-        "completion_tokens": stream.completion_tokens,
-        "total_tokens": stream.prompt_tokens + stream.completion_tokens,
+        "prompt_tokens": choices.prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": choices.prompt_tokens + completion_tokens,
     }
-    if kind == "chat.completion":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": stream.finish_reason,
-        }
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": stream.finish_reason}
     payload = {
         "id": rid,
         "object": kind,
         "created": created,
         "model": model,
-        "choices": [choice],
+        "choices": collected,
         "usage": usage,
     }
     return JSONResponse(payload, headers=headers)
 
 
-async def _collect(stream: GenerationStream, request: Request) -> str:
-    """Await the whole answer; raises ClientGone if the client disconnects first."""
-    watcher = asyncio.create_task(_watch_disconnect(request.receive, stream))
-    parts: list[str] = []
+def _raw_prompts(body: CompletionRequest | ChatCompletionRequest) -> list[str | list[int]]:
+    return body.prompt_inputs() if isinstance(body, CompletionRequest) else []
+
+
+def _prompt_text(engine: Engine, ids: list[int], raw: str | list[int]) -> str:
+    return raw if isinstance(raw, str) else engine.tokenizer.decode(ids)
+
+
+def _finish_reason(shape: _Shape, stream: GenerationStream) -> str | None:
+    return "length" if shape.prompt_only else stream.finish_reason
+
+
+async def _collect(choices: Choices, shape: _Shape, request: Request) -> list[dict[str, Any]]:
+    """Await every choice's whole answer; raises ClientGone if the client disconnects first."""
+    watcher = asyncio.create_task(choices.watch_disconnect(request.receive))
+    by_index = {
+        spec.index: (spec, stream)
+        for spec, stream in zip(choices.specs, choices.streams, strict=True)
+    }
+    texts: dict[int, list[str]] = {i: [] for i in by_index}
+    lps: dict[int, list[dict[str, Any]]] = {i: [] for i in by_index}
+    builders = {i: CompletionLogprobs(shape.token_text) for i in by_index}
     try:
-        while True:
-            out = await stream.next_event()
-            parts.append(out.text)
-            if out.finished:
-                return "".join(parts)
+        async for index, out in choices.events():
+            spec, _ = by_index[index]
+            if shape.echo and not texts[index]:
+                texts[index].append(shape.prompt_texts[spec.prompt_index])
+            if not shape.prompt_only:
+                texts[index].append(out.text)
+            if shape.logprobs:
+                if shape.chat:
+                    lps[index] += chat_content(out.logprobs or [], shape.token_text)
+                else:
+                    block = _completion_logprobs(shape, spec, out, builders[index])
+                    if block is not None:
+                        lps[index].append(block)
     finally:
         watcher.cancel()
-
-
-async def _watch_disconnect(receive: Receive, stream: GenerationStream) -> None:
-    # The body was read already: the next message is http.disconnect, whenever it comes.
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            stream.client_gone()
-            return
+    result = []
+    for index in sorted(by_index):
+        _, stream = by_index[index]
+        text = "".join(texts[index])
+        logprobs: dict[str, Any] | None = None
+        if shape.logprobs and shape.chat:
+            logprobs = {"content": lps[index]}
+        elif shape.logprobs:
+            logprobs = {
+                key: [v for block in lps[index] for v in block[key]]
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+            }
+        reason = _finish_reason(shape, stream)
+        if shape.chat:
+            result.append(
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": logprobs,
+                    "finish_reason": reason,
+                }
+            )
+        else:
+            result.append(
+                {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+            )
+    return result
 
 
 def _sse(data: dict[str, Any] | str) -> bytes:
@@ -297,12 +435,30 @@ def _sse(data: dict[str, Any] | str) -> bytes:
 
 
 async def _sse_chunks(
-    stream: GenerationStream, kind: str, rid: str, created: int, model: str, include_usage: bool
+    choices: Choices,
+    shape: _Shape,
+    kind: str,
+    rid: str,
+    created: int,
+    model: str,
+    include_usage: bool,
 ) -> AsyncIterator[bytes]:
-    chat = kind == "chat.completion"
+    chat = shape.chat
     obj = "chat.completion.chunk" if chat else "text_completion"
+    by_index = {
+        spec.index: (spec, stream)
+        for spec, stream in zip(choices.specs, choices.streams, strict=True)
+    }
+    builders = {i: CompletionLogprobs(shape.token_text) for i in by_index}
+    started: set[int] = set()
 
-    def chunk(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+    def chunk(
+        index: int,
+        text: str | None,
+        finish: str | None,
+        logprobs: dict[str, Any] | None = None,
+        role: bool = False,
+    ) -> dict[str, Any]:
         if chat:
             delta: dict[str, Any] = {}
             if role:
@@ -310,13 +466,18 @@ async def _sse_chunks(
             if text is not None:
                 delta["content"] = text
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": index,
                 "delta": delta,
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {
+                "index": index,
+                "text": text or "",
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
         out: dict[str, Any] = {
             "id": rid,
             "object": obj,
@@ -329,20 +490,38 @@ async def _sse_chunks(
         return out
 
     if chat:
-        yield _sse(chunk("", None, role=True))
-    while True:
-        out = await stream.next_event()
+        for index in sorted(by_index):
+            yield _sse(chunk(index, "", None, role=True))
+    async for index, out in choices.events():
+        spec, stream = by_index[index]
+        text = "" if shape.prompt_only else out.text
+        if shape.echo and index not in started:
+            text = shape.prompt_texts[spec.prompt_index] + text
+        started.add(index)
+        logprobs: dict[str, Any] | None = None
+        if shape.logprobs:
+            if chat:
+                entries = chat_content(out.logprobs or [], shape.token_text)
+                logprobs = {"content": entries} if entries else None
+            else:
+                logprobs = _completion_logprobs(shape, spec, out, builders[index])
+                if logprobs is not None and not logprobs["tokens"]:
+                    logprobs = None
         if not out.finished:
-            if out.text:  # a token that completes no character yet has nothing to show
-                yield _sse(chunk(out.text, None))
+            # A token that completes no character yet has nothing to show (unless logprobs).
+            if text or logprobs is not None:
+                yield _sse(chunk(index, text, None, logprobs))
             continue
         if stream.finish_reason == "error":
+            choices.close()
             yield _sse(error_body(500, stream.error or "generation failed", code="engine_error"))
             break
-        if out.text:
-            yield _sse(chunk(out.text, None))
-        yield _sse(chunk(None, stream.finish_reason))
+        if text or logprobs is not None:
+            yield _sse(chunk(index, text, None, logprobs))
+        yield _sse(chunk(index, None, _finish_reason(shape, stream)))
+    else:
         if include_usage:
+            completion_tokens = 0 if shape.prompt_only else choices.completion_tokens
             yield _sse(
                 {
                     "id": rid,
@@ -351,13 +530,12 @@ async def _sse_chunks(
                     "model": model,
                     "choices": [],
                     "usage": {
-                        "prompt_tokens": stream.prompt_tokens,
-                        "completion_tokens": stream.completion_tokens,
-                        "total_tokens": stream.prompt_tokens + stream.completion_tokens,
+                        "prompt_tokens": choices.prompt_tokens,
+                        "completion_tokens": completion_tokens,
+                        "total_tokens": choices.prompt_tokens + completion_tokens,
                     },
                 }
             )
-        break
     yield _sse("[DONE]")
 
 

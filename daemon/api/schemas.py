@@ -25,18 +25,21 @@ _PRIORITY_MAX = 2**31 - 1
 _SEED_MAX = 2**63 - 1
 _MAX_STOP = 16
 _MAX_STOP_CHARS = 1024
+_MAX_N = 16  # choices per prompt
+_MAX_PROMPTS = 16  # prompts in one completions request
+_MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
+_MAX_LOGIT_BIAS = 1024  # entries
 
 
 # OpenAI fields this server accepts only at the value that changes nothing: anything else
 # asks for behaviour it does not implement, so it is refused rather than ignored.
+# vLLM's beam-search and detokenization extras that its clients send at their defaults are
+# here too: beam search does not exist here, so only "off" is true to what happens.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "logit_bias": ({},),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
-    "echo": (False,),
-    "best_of": (1,),
+    "use_beam_search": (False,),
+    "length_penalty": (1,),
+    "early_stopping": (False,),
+    "spaces_between_special_tokens": (True,),
     "suffix": ("",),
     "tools": ([],),
     "tool_choice": ("none",),
@@ -99,10 +102,7 @@ class _SamplingFields(_Body):
         None, max_length=64, description="Token ids that end generation (extension)."
     )
     n: int = Field(
-        1,
-        ge=1,
-        description="Number of choices; only 1 is supported.",
-        json_schema_extra={"maximum": 1},  # enforced by _one_choice, with a clearer message
+        1, ge=1, le=_MAX_N, description="Choices per prompt, each sampled independently."
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -111,43 +111,77 @@ class _SamplingFields(_Body):
         0, ge=_PRIORITY_MIN, le=_PRIORITY_MAX, description="Lower is served first (extension)."
     )
     ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence (extension).")
-    # OpenAI fields accepted only at their neutral value (see _NEUTRAL).
     presence_penalty: float | None = Field(
-        None,
-        description="Not supported: must be 0.",
-        json_schema_extra=_neutral_schema("presence_penalty"),
+        None, ge=-2, le=2, description="Subtracted from each token already generated."
     )
     frequency_penalty: float | None = Field(
-        None,
-        description="Not supported: must be 0.",
-        json_schema_extra=_neutral_schema("frequency_penalty"),
+        None, ge=-2, le=2, description="Subtracted per occurrence in the generated tokens."
     )
-    logit_bias: dict[str, float] | None = Field(
+    repetition_penalty: float | None = Field(
         None,
-        description="Not supported: must be empty.",
-        json_schema_extra=_neutral_schema("logit_bias"),
+        ge=0.01,
+        le=10,
+        description="Divides positive / multiplies negative logits of prompt and generated "
+        "tokens; 1 is off (extension).",
     )
-    logprobs: bool | int | None = Field(
+    logit_bias: (
+        Annotated[
+            dict[
+                Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
+                Annotated[float, Field(ge=-100, le=100)],
+            ],
+            Field(max_length=_MAX_LOGIT_BIAS),
+        ]
+        | None
+    ) = Field(None, description="Token id (as a string) -> added to its logit, -100..100.")
+    min_p: float | None = Field(
+        None, ge=0, le=1, description="Drop tokens below min_p x the top probability (extension)."
+    )
+    min_tokens: int = Field(
+        0, ge=0, description="EOS and stop_token_ids are banned until this many (extension)."
+    )
+    include_stop_str_in_output: bool = Field(
+        False, description="Keep the matched stop string at the end of the text (extension)."
+    )
+    skip_special_tokens: bool = Field(
+        True, description="Leave special tokens out of the text (extension)."
+    )
+    # vLLM extras accepted only at their neutral value (see _NEUTRAL).
+    use_beam_search: bool = Field(
+        False,
+        description="Beam search is not supported: must be false.",
+        json_schema_extra=_neutral_schema("use_beam_search", nullable=False),
+    )
+    length_penalty: float | None = Field(
         None,
-        description="Not supported: must be null or false.",
-        json_schema_extra=_neutral_schema("logprobs"),
+        description="Beam search only: must be 1.",
+        json_schema_extra=_neutral_schema("length_penalty"),
+    )
+    early_stopping: bool | None = Field(
+        None,
+        description="Beam search only: must be false.",
+        json_schema_extra=_neutral_schema("early_stopping"),
+    )
+    spaces_between_special_tokens: bool | None = Field(
+        None,
+        description="Only true.",
+        json_schema_extra=_neutral_schema("spaces_between_special_tokens"),
     )
     # Accepted and ignored: bookkeeping fields that do not change the output.
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = Field(None, max_length=64)
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty", "logit_bias", "logprobs")
+    @field_validator(
+        "use_beam_search", "length_penalty", "early_stopping", "spaces_between_special_tokens"
+    )
     @classmethod
     def _neutral_sampling(cls, v: Any, info: ValidationInfo) -> Any:
         return _require_neutral(v, info)
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
 
     @property
     def include_usage(self) -> bool:
@@ -166,17 +200,28 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 class CompletionRequest(_SamplingFields):
     prompt: (
         Annotated[str, Field(min_length=1)]
-        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
+        | Annotated[
+            list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=_MAX_PROMPTS)
+        ]
         | TokenIds
-        | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
-    ) = Field(..., description="Text or token ids; one prompt per request.")
-    echo: bool = Field(
-        False,
-        description="Not supported: must be false.",
-        json_schema_extra=_neutral_schema("echo", nullable=False),
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=_MAX_PROMPTS)]
+    ) = Field(
+        ...,
+        description="Text, token ids, or a list of up to 16 of either: choices are indexed "
+        "prompt by prompt (prompt i, sample j -> index i * n + j).",
     )
+    max_tokens: int | None = Field(
+        None, ge=0, description="Upper bound on generated tokens; 0 only with echo."
+    )
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=_MAX_LOGPROBS,
+        description="Return each token's logprob and the top `logprobs` alternatives.",
+    )
+    echo: bool = Field(False, description="Prepend the prompt (and its logprobs) to the answer.")
     best_of: int | None = Field(
-        None, description="Not supported: must be 1.", json_schema_extra=_neutral_schema("best_of")
+        None, ge=1, le=_MAX_N, description="Accepted only equal to n (no ranking is done)."
     )
     suffix: str | None = Field(
         None,
@@ -184,20 +229,19 @@ class CompletionRequest(_SamplingFields):
         json_schema_extra=_neutral_schema("suffix"),
     )
 
-    @field_validator("echo", "best_of", "suffix")
+    @field_validator("suffix")
     @classmethod
     def _neutral_completion(cls, v: Any, info: ValidationInfo) -> Any:
         return _require_neutral(v, info)
 
-    def prompt_input(self) -> str | list[int]:
-        """The one prompt as text or token ids."""
+    def prompt_inputs(self) -> list[str | list[int]]:
+        """The prompts, each as text or token ids."""
         p = self.prompt
         if isinstance(p, str):
-            return p
-        first = p[0]
-        if isinstance(first, (str, list)):
-            return first  # type: ignore[return-value]
-        return p  # type: ignore[return-value]
+            return [p]
+        if isinstance(p[0], (str, list)):
+            return list(p)  # type: ignore[arg-type]
+        return [p]  # type: ignore[list-item]
 
 
 class TextPart(_Body):
@@ -225,10 +269,12 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=4096)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = Field(None, description="Return each token's logprob.")
     top_logprobs: int | None = Field(
         None,
-        description="Not supported: must be 0.",
-        json_schema_extra=_neutral_schema("top_logprobs"),
+        ge=0,
+        le=_MAX_LOGPROBS,
+        description="Alternatives per token (needs logprobs: true).",
     )
     tools: list[dict[str, Any]] | None = Field(
         None,
@@ -245,7 +291,7 @@ class ChatCompletionRequest(_SamplingFields):
         json_schema_extra=_neutral_schema("response_format"),
     )
 
-    @field_validator("top_logprobs", "tools", "tool_choice", "response_format")
+    @field_validator("tools", "tool_choice", "response_format")
     @classmethod
     def _neutral_chat(cls, v: Any, info: ValidationInfo) -> Any:
         return _require_neutral(v, info)
@@ -272,10 +318,34 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """Per token: its text, logprob (null for an echoed prompt's first token), the top
+    alternatives {text: logprob}, and its offset in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
 
 
@@ -296,7 +366,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -312,7 +382,7 @@ class ChatCompletionResponse(BaseModel):
 class CompletionChunkChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
 
 
@@ -335,7 +405,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None
 
 
@@ -348,6 +418,32 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+class TokenizeCompletionRequest(_Body):
+    model: str | None = None
+    prompt: str = Field(..., max_length=1 << 20)
+
+
+class TokenizeChatRequest(_Body):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=4096)
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]] = Field(..., max_length=1 << 20)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

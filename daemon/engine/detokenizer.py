@@ -14,7 +14,14 @@ _CONTEXT_TOKENS = 4
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        stop: tuple[str, ...] = (),
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self._tok = tokenizer
         self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix = 0
@@ -23,12 +30,15 @@ class IncrementalDetokenizer:
         self._emitted = 0
         self._stop = stop
         self._max_stop = max((len(s) for s in stop), default=0)
+        self._include_stop = include_stop
+        self._skip_special = skip_special_tokens
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+        return self._tok.decode(ids, skip_special_tokens=self._skip_special)
 
     def add(self, token_id: int) -> bool:
-        """Append one token; True when a stop string now appears (text is cut before it)."""
+        """Append one token; True when a stop string now appears (text is cut before it, or
+        after it with include_stop)."""
         self._ids.append(token_id)
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix :])
@@ -40,9 +50,10 @@ class IncrementalDetokenizer:
         if not self._stop:
             return False
         window = max(0, start - self._max_stop + 1)
-        hits = [i for i in (self.text.find(s, window) for s in self._stop) if i >= 0]
+        hits = [(i, s) for i, s in ((self.text.find(s, window), s) for s in self._stop) if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, stop = min(hits)
+            self.text = self.text[: at + (len(stop) if self._include_stop else 0)]
             return True
         return False
 

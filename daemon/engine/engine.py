@@ -26,8 +26,9 @@ import torch
 from daemon.engine.detokenizer import IncrementalDetokenizer
 from daemon.engine.kv_cache import KVCacheManager, KVCacheSpec, bytes_per_block
 from daemon.engine.loader import LoadedModel
-from daemon.engine.model import LlamaModel, model_shape
-from daemon.engine.request import InvalidRequestError, RequestOutput, SamplingParams
+from daemon.engine.logits import RowHistory, logprobs_of, process
+from daemon.engine.model import LlamaModel, StepInputs, model_shape
+from daemon.engine.request import InvalidRequestError, RequestOutput, SamplingParams, TokenLogprob
 from daemon.engine.sampler import make_generator, sample
 from daemon.engine.scheduler import EngineLimits, SchedulePlan, Scheduler, Sequence
 from wattserve_kernels.quant import QuantLevelError, level_unavailable_reason, parse_level
@@ -118,6 +119,8 @@ class _Request:
     generator: torch.Generator
     arrival_s: float
     first_token_s: float | None = None
+    # Prompt logprobs gathered chunk by chunk (first token: None), when asked for.
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
 
 
 class Engine:
@@ -324,6 +327,9 @@ class Engine:
                 raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         if not ids:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
+        vocab = self.model.shape.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens; this model's context is {self.max_model_len}",
@@ -342,7 +348,13 @@ class Engine:
             seq=Sequence(rid, ids, priority=params.priority),
             params=params,
             sink=sink,
-            detok=IncrementalDetokenizer(self.tokenizer, ids, params.stop),
+            detok=IncrementalDetokenizer(
+                self.tokenizer,
+                ids,
+                params.stop,
+                include_stop=params.include_stop_str_in_output,
+                skip_special_tokens=params.skip_special_tokens,
+            ),
             generator=make_generator(params.seed),
             arrival_s=time.monotonic(),
         )
@@ -405,11 +417,18 @@ class Engine:
         self._last_decode_only = all(c.num_tokens == 1 for c in plan.chunks)
         try:
             inputs = self.model.prepare(
-                plan.chunks, {c.seq.seq_id: self.kv.table(c.seq.seq_id) for c in plan.chunks}
+                plan.chunks,
+                {c.seq.seq_id: self.kv.table(c.seq.seq_id) for c in plan.chunks},
+                self._prompt_logits_wanted(plan),
             )
             logits = self.model.forward(inputs)
             reqs = [self._requests[c.seq.seq_id] for c in inputs.sampled_chunks]
-            tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+            self._gather_prompt_logprobs(inputs, logits[len(reqs) :])
+            params = [r.params for r in reqs]
+            history = [RowHistory(r.seq.prompt_token_ids, r.seq.output_token_ids) for r in reqs]
+            processed = process(logits[: len(reqs)], params, history, self.eos_token_ids)
+            tokens = sample(processed, params, [r.generator for r in reqs])
+            logprobs = _sampled_logprobs(processed, params, tokens)
         except Exception:  # a bug in one batch must not take the daemon down
             log.exception("engine step failed; failing the %d requests in it", len(plan.chunks))
             for c in plan.chunks:
@@ -420,16 +439,45 @@ class Engine:
         self.scheduler.commit(plan, sampled)
         now = time.monotonic()
         finished = 0
-        for req, tok in zip(reqs, tokens, strict=True):
+        for req, tok, lp in zip(reqs, tokens, logprobs, strict=True):
             if tok is None:
                 self._finish(req, "error", "non-finite logits")
                 finished += 1
-            elif self._emit(req, tok, now):
+            elif self._emit(req, tok, now, lp):
                 finished += 1
         stats = self._step_stats(plan, t0, now - t0, finished)
         for hook in self._hooks:
             hook(stats)
         return stats
+
+    def _prompt_logits_wanted(self, plan: SchedulePlan) -> frozenset[str]:
+        """Sequences whose chunk this step covers prompt positions not gathered yet."""
+        wanted = []
+        for c in plan.chunks:
+            req = self._requests[c.seq.seq_id]
+            if (
+                req.params.prompt_logprobs is not None
+                and len(req.prompt_logprobs) == c.start + 1
+                and c.start < len(c.seq.prompt_token_ids) - 1
+            ):
+                wanted.append(c.seq.seq_id)
+        return frozenset(wanted)
+
+    def _gather_prompt_logprobs(self, inputs: StepInputs, logits: torch.Tensor) -> None:
+        """logits: the rows prepare() added for prompt logprobs, chunk after chunk."""
+        # A chunk recomputed after preemption finds its positions gathered already and is
+        # not asked for (_prompt_logits_wanted); one that skips positions is not either.
+        row = 0
+        for chunk, rows_n in inputs.prompt_logit_chunks:
+            req = self._requests[chunk.seq.seq_id]
+            prompt = chunk.seq.prompt_token_ids
+            if rows_n:
+                targets = prompt[chunk.start + 1 : chunk.start + 1 + rows_n]
+                k = req.params.prompt_logprobs or 0
+                req.prompt_logprobs.extend(
+                    logprobs_of(logits[row : row + rows_n], targets, [k] * rows_n)
+                )
+            row += rows_n
 
     def pacing_wait_s(self) -> float:
         """How long decode pacing holds the next step back now (0: not pacing): only after
@@ -466,11 +514,19 @@ class Engine:
         self.last_step = stats
         return stats
 
-    def _emit(self, req: _Request, token: int, now: float) -> bool:
+    def _emit(self, req: _Request, token: int, now: float, lp: TokenLogprob | None) -> bool:
         """Deliver one sampled token; returns True when the request finished."""
         seq, p = req.seq, req.params
+        prompt_lps = None
         if req.first_token_s is None:
             req.first_token_s = now
+            if p.prompt_logprobs is not None:
+                prompt_lps = req.prompt_logprobs
+                if len(prompt_lps) != len(seq.prompt_token_ids):
+                    # Positions never computed (a KV cache that skipped them): say so,
+                    # rather than hand back a shorter list as if it were whole.
+                    self._finish(req, "error", "prompt logprobs are incomplete")
+                    return True
         self.counters.generation_tokens += 1
         reason = None
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
@@ -480,7 +536,7 @@ class Engine:
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
-            self._finish(req, reason, last_token=token)
+            self._finish(req, reason, last_token=token, last_logprob=lp, prompt_logprobs=prompt_lps)
             return True
         req.sink(
             RequestOutput(
@@ -489,12 +545,20 @@ class Engine:
                 req.detok.take(),
                 prompt_tokens=len(seq.prompt_token_ids),
                 completion_tokens=len(seq.output_token_ids),
+                logprobs=None if lp is None else [lp],
+                prompt_logprobs=prompt_lps,
             )
         )
         return False
 
     def _finish(
-        self, req: _Request, reason: str, error: str | None = None, last_token: int | None = None
+        self,
+        req: _Request,
+        reason: str,
+        error: str | None = None,
+        last_token: int | None = None,
+        last_logprob: TokenLogprob | None = None,
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
     ) -> None:
         seq = req.seq
         self.scheduler.finish(seq.seq_id)
@@ -511,6 +575,8 @@ class Engine:
                 error=error,
                 prompt_tokens=len(seq.prompt_token_ids),
                 completion_tokens=len(seq.output_token_ids),
+                logprobs=None if last_logprob is None else [last_logprob],
+                prompt_logprobs=prompt_logprobs,
             )
         )
 
@@ -611,9 +677,35 @@ class Engine:
         return [merged[rid] for rid in order]
 
 
+def _sampled_logprobs(
+    logits: torch.Tensor, params: list[SamplingParams], tokens: list[int | None]
+) -> list[TokenLogprob | None]:
+    """The sampled tokens' logprobs for the rows that asked; None for the others."""
+    rows = [
+        i
+        for i, (p, t) in enumerate(zip(params, tokens, strict=True))
+        if p.logprobs is not None and t is not None
+    ]
+    out: list[TokenLogprob | None] = [None] * len(params)
+    if rows:
+        idx = torch.tensor(rows, dtype=torch.long)
+        computed = logprobs_of(
+            logits.index_select(0, idx),
+            [tokens[i] for i in rows],  # type: ignore[misc]
+            [params[i].logprobs or 0 for i in rows],
+        )
+        for i, lp in zip(rows, computed, strict=True):
+            out[i] = lp
+    return out
+
+
 def _merge(into: dict[str, RequestOutput], out: RequestOutput) -> None:
     acc = into.setdefault(out.request_id, RequestOutput(out.request_id))
     acc.token_ids.extend(out.token_ids)
+    if out.logprobs is not None:
+        acc.logprobs = (acc.logprobs or []) + out.logprobs
+    if out.prompt_logprobs is not None:
+        acc.prompt_logprobs = out.prompt_logprobs
     acc.text += out.text
     acc.finished, acc.finish_reason, acc.error = out.finished, out.finish_reason, out.error
     acc.prompt_tokens, acc.completion_tokens = out.prompt_tokens, out.completion_tokens

@@ -13,7 +13,7 @@ switch between two steps leaves the KV cache and every running sequence as they 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -78,8 +78,10 @@ class StepInputs:
     block_tables: torch.Tensor  # [B, NB] int64, one row per chunk, padded
     query_start: torch.Tensor  # [B + 1] int64: chunk b's tokens are rows [b] .. [b+1]
     context_lens: torch.Tensor  # [B] int64: chunk b's sequence length after this step
-    logits_indices: torch.Tensor  # [N] rows of the flat batch that get logits
+    logits_indices: torch.Tensor  # [N + M] rows of the flat batch that get logits
     sampled_chunks: list[ScheduledChunk]  # the N chunks whose logits those are, in order
+    # Then M rows for prompt logprobs: (chunk, rows) for each chunk asked for in prepare().
+    prompt_logit_chunks: list[tuple[ScheduledChunk, int]] = field(default_factory=list)
 
 
 def model_shape(hf_config) -> ModelShape:
@@ -232,8 +234,15 @@ class LlamaModel:
             total += self.embed.numel() * self.embed.element_size()
         return total
 
-    def prepare(self, chunks: list[ScheduledChunk], tables: dict[str, list[int]]) -> StepInputs:
-        """Lay out a plan's chunks as flat tensors; block ids come from the KV manager."""
+    def prepare(
+        self,
+        chunks: list[ScheduledChunk],
+        tables: dict[str, list[int]],
+        prompt_logits: frozenset[str] = frozenset(),
+    ) -> StepInputs:
+        """Lay out a plan's chunks as flat tensors; block ids come from the KV manager.
+        Sequences in `prompt_logits` also get logits for each prompt position whose next
+        token is a prompt token (after the sampled rows)."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -243,6 +252,8 @@ class LlamaModel:
         rows: list[list[int]] = []
         logit_rows: list[int] = []
         sampled: list[ScheduledChunk] = []
+        extra_rows: list[int] = []
+        extra: list[tuple[ScheduledChunk, int]] = []
         for c in chunks:
             table = tables[c.seq.seq_id]
             end = c.start + c.num_tokens
@@ -256,6 +267,11 @@ class LlamaModel:
             if c.samples:
                 logit_rows.append(len(ids) - 1)
                 sampled.append(c)
+            if c.seq.seq_id in prompt_logits:
+                rows_n = max(0, min(end, len(c.seq.prompt_token_ids) - 1) - c.start)
+                first = len(ids) - c.num_tokens
+                extra_rows.extend(range(first, first + rows_n))
+                extra.append((c, rows_n))
         width = max((len(r) for r in rows), default=0)
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long),
@@ -264,8 +280,9 @@ class LlamaModel:
             block_tables=torch.tensor([_pad(r, width) for r in rows], dtype=torch.long),
             query_start=torch.tensor(query_start, dtype=torch.long),
             context_lens=torch.tensor(context_lens, dtype=torch.long),
-            logits_indices=torch.tensor(logit_rows, dtype=torch.long),
+            logits_indices=torch.tensor(logit_rows + extra_rows, dtype=torch.long),
             sampled_chunks=sampled,
+            prompt_logit_chunks=extra,
         )
 
     @torch.inference_mode()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 _MIN_SAMPLING_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -38,6 +39,17 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     priority: int = 0  # lower is served first
+    # Logit processing, applied before temperature (see daemon/engine/logits.py).
+    presence_penalty: float = 0.0  # subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # >1 discourages prompt and output tokens (CTRL); 1 off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability
+    min_tokens: int = 0  # EOS and stop_token_ids are banned until this many are generated
+    logprobs: int | None = None  # None: off; k: the sampled token's logprob and the top k
+    prompt_logprobs: int | None = None  # None: off; k: each prompt token's logprob + top k
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     @classmethod
     def from_dict(cls, values: dict) -> SamplingParams:
@@ -52,9 +64,20 @@ class SamplingParams:
         for key in ("stop", "stop_token_ids"):
             if key in values and values[key] is not None:
                 values[key] = tuple(values[key])
+        if isinstance(values.get("logit_bias"), dict):
+            values["logit_bias"] = tuple((int(k), v) for k, v in values["logit_bias"].items())
         params = cls(**values)
         params.validate()
         return params
+
+    @property
+    def penalized(self) -> bool:
+        """True when any penalty changes the logits (rows without one skip that work)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:
@@ -79,6 +102,34 @@ class SamplingParams:
             raise InvalidRequestError("at most 16 stop strings", param="stop")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, minimum=0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_float(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2]", param=name)
+        _check_float("repetition_penalty", self.repetition_penalty)
+        # Bounded away from 0: logits divided by a denormal penalty overflow to inf.
+        if not 0.01 <= self.repetition_penalty <= 10.0:
+            raise InvalidRequestError(
+                "repetition_penalty must be in [0.01, 10]", param="repetition_penalty"
+            )
+        for t, bias in self.logit_bias:
+            _check_int("logit_bias", t, minimum=0)
+            _check_float("logit_bias", bias)
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidRequestError("logit_bias values must be in [-100, 100]", "logit_bias")
+        _check_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p must be in [0, 1]", param="min_p")
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError("min_tokens must be <= max_tokens", param="min_tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, minimum=0)
+                if value > MAX_LOGPROBS:
+                    raise InvalidRequestError(f"{name} must be <= {MAX_LOGPROBS}", param=name)
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -93,6 +144,15 @@ def _check_float(name: str, value: object) -> None:
         raise InvalidRequestError(f"{name} must be a finite number", param=name)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-probability (natural log) and its top alternatives, best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
     """One event for one request: new tokens/text, and on the last one why it ended."""
@@ -105,3 +165,7 @@ class RequestOutput:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # One entry per token in token_ids, when the request asked for logprobs.
+    logprobs: list[TokenLogprob] | None = None
+    # On the first event of a request that asked: one entry per prompt token, None first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None

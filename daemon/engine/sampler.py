@@ -1,7 +1,8 @@
-"""Next-token choice: greedy, temperature, top-k, top-p, per-request seeded generators.
+"""Next-token choice: greedy, temperature, top-k, top-p, min-p, per-request seeded generators.
 
-Takes float32 logits for the rows that sample this step and returns one token id per
-row, or None for a row whose logits are not finite (that request fails alone).
+Takes float32 logits for the rows that sample this step (after logits.process: banned
+tokens are -inf) and returns one token id per row, or None for a row whose logits hold a
+NaN or +inf or no finite value at all (that request fails alone).
 It must not look at sequences, stop conditions or text.
 """
 
@@ -35,6 +36,9 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -
         keep = (cum - probs) < p.top_p
         keep[0] = True  # a top_p below float32 resolution still keeps the best token
         probs = probs * keep
+    if p.min_p > 0.0:
+        # values are sorted: probs[0] is the top token's probability (always kept).
+        probs = probs * (probs >= p.min_p * probs[0])
     choice = torch.multinomial(probs, 1, generator=gen)
     return int(indices[choice])
 
@@ -45,7 +49,11 @@ def sample(
     generators: list[torch.Generator],
 ) -> list[int | None]:
     """logits: [N, V] float32; one SamplingParams and generator per row."""
-    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    finite = (
+        (~torch.isnan(logits).any(dim=-1))
+        & (~torch.isposinf(logits).any(dim=-1))
+        & torch.isfinite(logits).any(dim=-1)
+    ).tolist()
     greedy_ids = logits.argmax(dim=-1).tolist()
     out: list[int | None] = []
     for row, (p, ok) in enumerate(zip(params, finite, strict=True)):

@@ -69,6 +69,20 @@ def test_streaming_client_disconnect_frees_the_sequence(slow_server) -> None:
     assert _aborted(srv) == aborted_before + 1
 
 
+def test_streaming_disconnect_frees_every_choice(slow_server) -> None:
+    srv = slow_server
+    engine_aborts_before = srv.engine.counters.requests_finished["abort"]
+    body = {**BODY, "stream": True, "n": 3, "temperature": 1.0, "seed": 1}
+    with httpx.Client(base_url=srv.base_url, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [line for line, _ in zip(lines, range(12), strict=False) if line]
+            assert got and srv.engine.num_running == 3
+    _wait_engine_idle(srv)
+    assert srv.engine.counters.requests_finished["abort"] == engine_aborts_before + 3
+
+
 def test_non_streaming_client_disconnect_frees_the_sequence(slow_server) -> None:
     srv = slow_server
     aborted_before = _aborted(srv)

@@ -193,8 +193,8 @@ def test_openai_client_chat_and_completion(server) -> None:
         oai.completions.create(model="gpt-4", prompt="x", max_tokens=1)
     assert e.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
-        oai.completions.create(model=model, prompt="x", max_tokens=1, n=2)
-    assert e.value.param == "n"
+        oai.completions.create(model=model, prompt="x", max_tokens=1, n=2, best_of=3)
+    assert e.value.param == "best_of"
 
 
 def test_sampling_is_seeded(client) -> None:
@@ -219,7 +219,7 @@ def test_sampling_is_seeded(client) -> None:
         (b'{"prompt": "x", "model": "nope"}', 404, "model_not_found", "model"),
         (b'{"prompt": "x", "max_tokens": 100000}', 400, "context_length_exceeded", "max_tokens"),
         (b'{"prompt": [999999]}', 400, None, "prompt"),
-        (b'{"prompt": "x", "n": 3}', 400, None, "n"),
+        (b'{"prompt": "x", "n": 17}', 400, None, "n"),
         (b'{"prompt": "x", "bogus": 1}', 400, "unknown_parameter", "bogus"),
     ],
 )

@@ -33,17 +33,21 @@ def _param_of(exc: ValidationError) -> str:
         ({"prompt": "x", "temperature": math.inf}, "temperature"),
         ({"prompt": "x", "temperature": 2.5}, "temperature"),
         ({"prompt": "x", "top_p": 0}, "top_p"),
-        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
         ({"prompt": "x", "seed": -1}, "seed"),
-        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "n": 17}, "n"),
         ({"prompt": "x", "stop": ""}, "stop"),
         ({"prompt": "x", "stop": ["a"] * 17}, "stop"),
-        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-        ({"prompt": "x", "logprobs": 3}, "logprobs"),
-        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+        ({"prompt": "x", "min_p": 1.5}, "min_p"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+        ({"prompt": "x", "length_penalty": 0.5}, "length_penalty"),
         ({"prompt": "x", "max_token": 3}, "max_token"),
         ({"prompt": ""}, "prompt"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a"] * 17}, "prompt"),
         ({"prompt": [-1]}, "prompt.0"),
         ({}, "prompt"),
     ],
@@ -55,12 +59,14 @@ def test_completion_body_errors_name_the_param(body: dict, param: str) -> None:
 
 
 def test_completion_prompt_forms() -> None:
-    assert CompletionRequest(prompt="hi").prompt_input() == "hi"
-    assert CompletionRequest(prompt=["hi"]).prompt_input() == "hi"
-    assert CompletionRequest(prompt=[1, 2]).prompt_input() == [1, 2]
-    assert CompletionRequest(prompt=[[3, 4]]).prompt_input() == [3, 4]
-    # Neutral values of unsupported OpenAI fields pass: clients send them by default.
-    req = CompletionRequest(prompt="x", presence_penalty=0, logprobs=None, echo=False, best_of=1)
+    assert CompletionRequest(prompt="hi").prompt_inputs() == ["hi"]
+    assert CompletionRequest(prompt=["hi", "yo"]).prompt_inputs() == ["hi", "yo"]
+    assert CompletionRequest(prompt=[1, 2]).prompt_inputs() == [[1, 2]]
+    assert CompletionRequest(prompt=[[3, 4], [5]]).prompt_inputs() == [[3, 4], [5]]
+    # vLLM's beam-search extras pass at their "off" values: its clients send them so.
+    req = CompletionRequest(
+        prompt="x", use_beam_search=False, length_penalty=1.0, early_stopping=False, best_of=1
+    )
     assert req.stop_tuple == ()
     assert CompletionRequest(prompt="x", stop="END").stop_tuple == ("END",)
 

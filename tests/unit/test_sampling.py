@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from daemon.engine.detokenizer import IncrementalDetokenizer
+from daemon.engine.logits import RowHistory, logprobs_of, process
 from daemon.engine.request import InvalidRequestError, SamplingParams
 from daemon.engine.sampler import make_generator, sample
 from tests.tiny_model import build_tokenizer
@@ -97,6 +98,14 @@ def test_stop_string_matched_across_tokens_and_not_emitted(tok):
         ({"seed": -1}, "seed"),
         ({"stop": [""]}, "stop"),
         ({"frequency_penaltyy": 1}, "frequency_penaltyy"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logit_bias": {"3": 101}}, "logit_bias"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_tokens": 17}, "min_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
     ],
 )
 def test_bad_parameters_are_named(values, param):
@@ -116,3 +125,59 @@ def test_extreme_but_valid_values_do_not_break_sampling():
     g = make_generator(0)
     assert sample(logits, [SamplingParams(temperature=5e-324)], [g]) == [best]
     assert sample(logits, [SamplingParams(top_p=5e-324)], [g]) == [best]
+
+
+def test_penalties_bias_and_min_tokens_ban_match_their_definitions():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [1.0, 1.0, 1.0, 1.0], [0.1, 0.2, 0.3, 0.4]])
+    params = [
+        SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
+        SamplingParams(logit_bias=((2, -100.0),), min_tokens=3, stop_token_ids=(1,)),
+        SamplingParams(),
+    ]
+    hist = [RowHistory([0], [1, 1, 3]), RowHistory([0], [2]), RowHistory([1], [1])]
+    out = process(logits, params, hist, frozenset({3}))
+    # Row 0: token 0 seen in the prompt (2 / 2); 1 twice in the output (-1 * 2 - 2 x 0.5
+    # - 0.25); 3 once (3 / 2 - 0.5 - 0.25); 2 unseen.
+    assert out[0].tolist() == pytest.approx([1.0, -3.25, 0.5, 0.75])
+    assert out[1].tolist() == [1.0, -float("inf"), -99.0, -float("inf")]
+    assert out[2].tolist() == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    assert logits[0, 0] == 2.0  # the input is left alone
+    # Nothing asked: the same tensor back, no copy.
+    assert process(logits, [SamplingParams()] * 3, hist, frozenset({3})) is logits
+
+
+def test_banned_tokens_are_never_sampled_and_do_not_fail_the_row():
+    logits = torch.tensor([[5.0, 4.0, -float("inf"), 0.0]])
+    g = make_generator(0)
+    seen = {sample(logits, [SamplingParams(temperature=2.0)], [g])[0] for _ in range(300)}
+    assert 2 not in seen and None not in seen
+
+
+def test_min_p_keeps_tokens_near_the_top():
+    logits = torch.tensor([[3.0, 2.9, 0.0, -1.0]])
+    g = make_generator(0)
+    seen = {sample(logits, [SamplingParams(min_p=0.5)], [g])[0] for _ in range(300)}
+    assert seen == {0, 1}
+
+
+def test_logprobs_of_reports_chosen_and_top():
+    logits = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
+    out = logprobs_of(logits, [0, 2], [2, 0])
+    lp = torch.log_softmax(logits, dim=-1)
+    assert out[0].token_id == 0 and out[0].logprob == pytest.approx(float(lp[0, 0]))
+    assert [t for t, _ in out[0].top] == [2, 1]
+    assert out[0].top[0][1] == pytest.approx(float(lp[0, 2]))
+    assert out[1].top == ()
+
+
+def test_stop_string_kept_with_include_stop(tok):
+    ids = tok.encode("abc de fgh", add_special_tokens=False)
+    for include, want in ((False, "abc"), (True, "abc de")):
+        detok = IncrementalDetokenizer(tok, [], (" de",), include_stop=include)
+        text = ""
+        for t in ids:
+            stopped = detok.add(t)
+            text += detok.take()
+            if stopped:
+                break
+        assert stopped and text + detok.take(final=True) == want
