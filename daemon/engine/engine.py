@@ -345,7 +345,12 @@ class Engine:
             )
         rid = request_id or uuid.uuid4().hex
         req = _Request(
-            seq=Sequence(rid, ids, priority=params.priority),
+            seq=Sequence(
+                rid,
+                ids,
+                priority=params.priority,
+                reuse_cached_prefix=params.prompt_logprobs is None,
+            ),
             params=params,
             sink=sink,
             detok=IncrementalDetokenizer(

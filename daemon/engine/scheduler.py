@@ -63,6 +63,9 @@ class Sequence:
     num_computed_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
+    # False for a request that needs every prompt position computed (prompt logprobs):
+    # admission then takes no cached blocks for it.
+    reuse_cached_prefix: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -207,8 +210,12 @@ class Scheduler:
             if len(self.running) >= limits.max_num_seqs:
                 break
             seq = self.waiting[0]
-            prefix = self.kv.match(seq.token_ids(0, seq.num_tokens))
-            start = prefix.num_tokens
+            prefix = (
+                self.kv.match(seq.token_ids(0, seq.num_tokens))
+                if seq.reuse_cached_prefix
+                else None
+            )
+            start = prefix.num_tokens if prefix is not None else 0
             n = min(seq.num_tokens - start, budget)
             if not self.kv.allocate(seq.seq_id, start + n, prefix):
                 break

@@ -442,3 +442,16 @@ def test_tokenize_and_detokenize(client, tiny_llama) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
     r = client.post("/tokenize", json={"prompt": "a", "bogus": 1})
     assert r.status_code == 400
+
+
+def test_prompt_logprobs_of_a_prompt_whose_prefix_is_cached(oai, tiny_llama) -> None:
+    # The first request leaves the prompt's full KV blocks in the prefix cache; a request
+    # for prompt logprobs must still compute (and score) every prompt position.
+    prompt = (PROMPT * 8)[:40]  # two full 16-token blocks and a tail
+    full = _hf_logprobs(tiny_llama, prompt)
+    oai.completions.create(prompt=prompt, max_tokens=1, temperature=0)
+    comp = oai.completions.create(prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    values = comp.choices[0].logprobs.token_logprobs
+    assert len(values) == len(prompt) and values[0] is None
+    for i in range(1, len(prompt)):
+        assert values[i] == pytest.approx(float(full[i - 1, prompt[i]]), abs=1e-4)
