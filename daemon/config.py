@@ -53,6 +53,38 @@ class ServerConfig(_Section):
     dashboard_enabled: bool = Field(
         True, description="Serve the live dashboard (/) and its event stream (/v1/events/stream)."
     )
+    max_connections: int = Field(
+        2048,
+        ge=1,
+        description="Open TCP connections served; a request on one beyond this gets 503. "
+        "The unit's LimitNOFILE= must stay above it.",
+    )
+    max_event_streams: int = Field(
+        32, ge=1, description="Concurrent /v1/events/stream subscribers; beyond this, 503."
+    )
+    max_header_bytes: int = Field(
+        64 << 10,
+        ge=1024,
+        le=16 << 20,
+        description="Request line plus headers, bytes; a larger head gets 431 and a close.",
+    )
+    max_header_count: int = Field(
+        100, ge=8, le=10_000, description="Header fields per request; more gets 431."
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="A request's head must arrive whole within this of the connection (or its "
+        "previous response) being ready; a slower one is cut off.",
+    )
+    stream_write_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="A client that takes no response bytes for this long is cut off; its "
+        "generation is aborted and its slot freed.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 

@@ -37,6 +37,7 @@ from typing import Any
 import uvicorn
 
 from daemon.api.app import create_app
+from daemon.api.connection import ConnectionLimits, protocol_factory
 from daemon.api.schemas import Policy
 from daemon.api.state import Phase, ServingState, resolve_api_token
 from daemon.config import Config, default_cache_dir
@@ -248,6 +249,8 @@ class Daemon:
             lifespan="off",
             timeout_graceful_shutdown=int(_ABORT_FLUSH_S),
             server_header=False,
+            # httptools, with the connection bounds of daemon/api/connection.py around it.
+            http=protocol_factory(ConnectionLimits.from_config(server_cfg)),
         )
         server = _Server(uv_config)
         serve_task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -8,8 +8,10 @@ its recent events and the energy used since start), then each `telemetry` snapsh
 `event` as it happens, with comment keepalives while the feed is quiet. It ends with an
 `end` event when the feed stops or once the daemon drains with no request left in
 flight, so it never holds up uvicorn's graceful shutdown. Everything it sends is what
-the unauthenticated /v1/status and /metrics already show. It must not decide, change
-state or accept writes: the page changes policy through PUT /v1/control/policy.
+the unauthenticated /v1/status and /metrics already show. At most
+`server.max_event_streams` streams are open at once; one more gets 503. It must not
+decide, change state or accept writes: the page changes policy through PUT
+/v1/control/policy.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
-from daemon.api.errors import APIError
+from daemon.api.errors import APIError, error_response
 from daemon.api.state import Phase, ServingState
 from daemon.mqtt.payloads import EventPayload, TelemetryPayload
 
@@ -174,6 +177,7 @@ def build_router(state: ServingState) -> APIRouter:
     if state.feed is not None:
         state.feed.add_listener(on_telemetry=energy.on_telemetry)
     router = APIRouter(tags=["dashboard"], include_in_schema=False)
+    subscribers = _Subscribers(state.cfg.server.max_event_streams)
 
     @router.get("/")
     async def page(request: Request) -> Response:
@@ -192,10 +196,49 @@ def build_router(state: ServingState) -> APIRouter:
     async def events_stream() -> Response:
         if state.feed is None:
             raise APIError(503, "the live feed is not running", code="feed_unavailable")
-        return StreamingResponse(
-            _event_stream(state, energy),
+        return _CountedEventStream(_event_stream(state, energy), subscribers)
+
+    return router
+
+
+@dataclass
+class _Subscribers:
+    """How many event streams are open, against `server.max_event_streams`."""
+
+    limit: int
+    active: int = 0
+
+
+class _CountedEventStream(StreamingResponse):
+    """The event stream, counted while it runs; past the limit it answers 503 instead.
+
+    Counted in __call__, not in the route: Starlette cancels a body iterator that never
+    started without running its `finally`, and __call__ always returns.
+    """
+
+    def __init__(self, events: AsyncIterator[bytes], subscribers: _Subscribers) -> None:
+        super().__init__(
+            events,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
+        self._subscribers = subscribers
 
-    return router
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        subs = self._subscribers
+        if subs.active >= subs.limit:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            refusal = error_response(
+                503,
+                f"too many event streams open: the limit is {subs.limit} "
+                "(server.max_event_streams); retry later",
+                code="too_many_event_streams",
+                headers={"Retry-After": "5"},
+            )
+            await refusal(scope, receive, send)
+            return
+        subs.active += 1
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            subs.active -= 1

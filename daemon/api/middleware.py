@@ -3,7 +3,9 @@
 The Host check defends against DNS rebinding (a web page that resolves its own name to
 127.0.0.1 must not reach a local daemon). The body limit answers 413 as soon as the
 declared Content-Length or the bytes received so far pass the limit, so an oversized or
-endless chunked body is never read whole. Both answer with OpenAI-shaped errors. They
+endless chunked body is never read whole; the connection then closes lingering
+(daemon/api/connection.py), so a client still sending reads its 413 rather than a reset.
+Both answer with OpenAI-shaped errors. They
 are plain ASGI (not BaseHTTPMiddleware) so streaming responses and client-disconnect
 messages pass through untouched. They must not look at what a body means.
 """
@@ -18,14 +20,24 @@ from daemon.api.errors import error_body
 
 
 async def send_error(
-    send: Send, status: int, message: str, code: str, *, close: bool = False
+    send: Send,
+    status: int,
+    message: str,
+    code: str,
+    *,
+    close: bool = False,
+    headers: dict[str, str] | None = None,
 ) -> None:
     body = json.dumps(error_body(status, message, code=code)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw_headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *((k.lower().encode(), v.encode()) for k, v in (headers or {}).items()),
+    ]
     if close:
         # The rest of the request body is still on the wire: the connection cannot be reused.
-        headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
+        raw_headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

@@ -218,3 +218,39 @@ def test_install_service_print(args, source, capsys) -> None:
 def test_install_service_without_print_points_to_install_sh(capsys) -> None:
     assert main(["install-service"]) == 2
     assert "install.sh" in capsys.readouterr().err
+
+
+def _unit_settings(path: Path) -> dict[str, str]:
+    """Key -> value of the unit's lines (the last one wins, as in systemd)."""
+    out = {}
+    for line in path.read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith(("#", ";", "[")):
+            key, _, value = line.partition("=")
+            out[key.strip()] = value.strip()
+    return out
+
+
+def _bytes(value: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if value[-1:].upper() in units:
+        return int(float(value[:-1]) * units[value[-1].upper()])
+    return int(value)
+
+
+def test_unit_limits_fit_the_server_limits() -> None:
+    from daemon.config import ServerConfig
+
+    server = ServerConfig()
+    unit = _unit_settings(SYSTEMD_DIR / "wattserve.service")
+    # Every allowed connection is a file descriptor; the daemon's own files (model, libraries,
+    # MQTT, the listening socket) need room besides.
+    soft_nofile = int(unit["LimitNOFILE"].split(":")[0])
+    assert soft_nofile >= server.max_connections + 1024, unit["LimitNOFILE"]
+    # Memory: a share of RAM that leaves the host room, or a size well above the request
+    # buffers the server limits allow (each connection: a head, a body, unsent answer).
+    memory_max = unit["MemoryMax"]
+    buffers = server.max_connections * (server.max_header_bytes + server.max_body_bytes + 65536)
+    if memory_max.endswith("%"):
+        assert 50 <= float(memory_max[:-1]) <= 90, memory_max
+    else:
+        assert _bytes(memory_max) >= 4 * buffers, (memory_max, buffers)
