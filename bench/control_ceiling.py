@@ -3,7 +3,7 @@ hindsight, on one `bench control` scenario (steady 60 % by default), against the
 baseline of the same run. It answers whether a J/token target is within reach of the
 knobs at all, before blaming the controller for missing it.
 
-It runs the engine model of bench/control.py on the same seeded arrivals for a grid of
+It runs the engine model (daemon.sim) on the same seeded arrivals for a grid of
 fixed settings, in four families, and reports the least J/token with >= 99 % attainment in
 each:
 - one level and one locked clock (what `best_static` searches, on a finer clock grid);
@@ -26,8 +26,12 @@ import json
 import time
 from pathlib import Path
 
-from bench import control as bc
+from bench.control import DEFAULT_LEVELS, load_or_calibrate
+from bench.control_systems import run_model
 from controller.policy import ControlMode, Policy
+from daemon.sim.metrics import summarize
+from daemon.sim.run import measure_capacity
+from daemon.sim.scenarios import RequestMix, make_scenarios
 
 PREFILL_CLOCKS_MHZ = (495, 645, 795, 945, 1095, 1245)
 DECODE_CLOCKS_MHZ = (345, 495, 645)
@@ -68,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="wattserve bench control-ceiling", description=__doc__)
     ap.add_argument("--scenario", default="steady60")
     ap.add_argument("--duration-s", type=float, default=300.0)
-    ap.add_argument("--levels", type=lambda s: tuple(s.split(",")), default=bc.DEFAULT_LEVELS)
+    ap.add_argument("--levels", type=lambda s: tuple(s.split(",")), default=DEFAULT_LEVELS)
     ap.add_argument("--clocks-mhz", type=_ints, default=PREFILL_CLOCKS_MHZ)
     ap.add_argument("--decode-clocks-mhz", type=_ints, default=DECODE_CLOCKS_MHZ)
     ap.add_argument("--intervals-ms", type=_floats, default=DECODE_INTERVALS_MS)
@@ -82,22 +86,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recalibrate", action="store_true")
     args = ap.parse_args(argv)
 
-    cal = bc.load_or_calibrate(args)
+    cal = load_or_calibrate(args)
     start = cal.full_precision
     levels = tuple(lv for lv in args.levels if lv in cal.levels)
-    mix = bc.RequestMix()
+    mix = RequestMix()
     policy = Policy(
         power_budget_w=args.budget_w,
         ttft_slo_ms=args.ttft_slo_ms,
         tpot_slo_ms=args.tpot_slo_ms,
         mode=ControlMode.AUTO,
     )
-    capacity = bc.measure_capacity(cal, start, mix)
-    scenario = bc.make_scenarios(args.duration_s, args.budget_w, 220.0, 180.0)[args.scenario]
+    capacity = measure_capacity(cal, start, mix)
+    scenario = make_scenarios(args.duration_s, args.budget_w, 220.0, 180.0)[args.scenario]
 
     def run(system: str) -> dict:
-        res = bc.run_model(scenario, system, cal, capacity, mix, policy, levels, start)
-        return bc.summarize(res, policy, scenario)
+        res = run_model(scenario, system, cal, capacity, mix, policy, levels, start)
+        return summarize(res, policy, scenario)
 
     t0 = time.perf_counter()
     base = run("max_clock")

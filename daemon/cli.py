@@ -12,7 +12,6 @@ import logging
 import sys
 from collections.abc import Callable
 
-from bench import device_trace
 from daemon.config import Config, ConfigError, default_cache_dir, load_config, render_toml
 
 # flag -> (section, key); the common keys a user sets from the shell.
@@ -108,7 +107,7 @@ def _cmd_device(args: argparse.Namespace) -> int:
     if args.device_command == "trace":
         from bench import device_trace
 
-        return device_trace.run(args)
+        return device_trace.main(args.trace_argv)
     cfg = _config_from_args(args)
     return device_info(cfg, args) if args.device_command == "info" else device_reset(cfg, args)
 
@@ -211,8 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     reset = dsub.add_parser("reset", help="restore the settings a run recorded (ExecStopPost)")
     _add_config_flags(reset)
     reset.set_defaults(func=_cmd_device)
-    trace = dsub.add_parser("trace", help="sweep the virtual GPU's clock under real load")
-    device_trace.add_arguments(trace)
+    trace = dsub.add_parser(
+        "trace", help="sweep the virtual GPU's clock under real load", add_help=False
+    )
+    # Its flags are bench/device_trace.py's (main passes them on): bench is imported only
+    # when it runs, never by the daemon.
     trace.set_defaults(func=_cmd_device)
 
     p = sub.add_parser("install-service", help="the systemd unit (install: systemd/install.sh)")
@@ -233,7 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     from daemon.engine.loader import LoadError
     from daemon.engine.request import InvalidRequestError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if getattr(args, "device_command", None) == "trace":
+        args.trace_argv = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -8,13 +8,15 @@ import json
 
 import pytest
 
-from bench import control
+from bench.control_systems import make_system
 from daemon.cli import main as cli_main
+from daemon.sim.calibration import Calibration, LevelFit
+from daemon.sim.engine_model import SimRequest, SimulatedEngine
 
 
-def _calibration() -> control.Calibration:
-    def level(scale: float, weight_bytes: int, ppl: float) -> control.LevelFit:
-        return control.LevelFit(
+def _calibration() -> Calibration:
+    def level(scale: float, weight_bytes: int, ppl: float) -> LevelFit:
+        return LevelFit(
             base_s=0.012 * scale,
             per_prefill_token_s=0.0015 * scale,
             per_decode_token_s=0.004 * scale,
@@ -26,7 +28,7 @@ def _calibration() -> control.Calibration:
             ppl_increase_pct=ppl,
         )
 
-    return control.Calibration(
+    return Calibration(
         model="made-up",
         dtype="float32",
         threads=2,
@@ -102,7 +104,7 @@ def _engine_model(tmp_path):
     device = open_device(
         DeviceConfig(backend="virtual", mode="control", state_dir=tmp_path), clock=clock
     )
-    return control.SimulatedEngine(_calibration(), "fp32", clock, device, seed=1), clock, device
+    return SimulatedEngine(_calibration(), "fp32", clock, device, seed=1), clock, device
 
 
 def test_engine_model_study_mechanisms_per_phase_clocks_and_decode_pacing(tmp_path):
@@ -122,7 +124,7 @@ def test_engine_model_study_mechanisms_per_phase_clocks_and_decode_pacing(tmp_pa
         engine.phase_clocks_mhz = (1245, 345)
         engine.set_limits(decode_interval_ms=200.0)
         for i in range(3):
-            engine.add_request(control.SimRequest(f"r{i}", 0.0, 40, 12))
+            engine.add_request(SimRequest(f"r{i}", 0.0, 40, 12))
         steps = []
         late_added = False
         for _ in range(2000):
@@ -135,7 +137,7 @@ def test_engine_model_study_mechanisms_per_phase_clocks_and_decode_pacing(tmp_pa
                 if not late_added and len(steps) >= 6:
                     # A request arrives halfway through a gap.
                     clock.advance((resume - clock()) / 2)
-                    engine.add_request(control.SimRequest("late", clock(), 24, 4))
+                    engine.add_request(SimRequest("late", clock(), 24, 4))
                     late_added = True
                     assert engine.resume_at_s() is None
                 else:
@@ -185,4 +187,4 @@ def test_a_fixed_system_name_with_one_study_field_is_refused_by_name():
 
     policy = Policy(power_budget_w=300.0, ttft_slo_ms=2000.0, tpot_slo_ms=400.0)
     with pytest.raises(ValueError, match="decode-only MHz"):
-        control._make_system("fixed:bf16:645:345", None, None, None, policy, None, (), inline=True)
+        make_system("fixed:bf16:645:345", None, None, None, policy, None, (), inline=True)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import math
 
-from bench import control
+from bench.control_real import measure_level_speeds_real
+from bench.control_systems import make_system
 from controller.policy import ControlMode, Policy
 from tests.integration.test_control_bench import _calibration, _engine_model
 
 
 def test_level_speeds_are_measured_on_the_real_engine(tiny_llama):
-    speeds = control.measure_level_speeds_real(tiny_llama, ("fp32", "bf16"))
+    speeds = measure_level_speeds_real(tiny_llama, ("fp32", "bf16"))
     assert list(speeds) == ["fp32", "bf16"]
     for level, row in speeds.items():
         assert set(row) == {"decode_tok_s_bs16", "prefill_tok_s"}, level
@@ -34,13 +35,9 @@ def test_the_controller_ranks_levels_by_the_table_it_is_given(tmp_path):
         "bf16": {"decode_tok_s_bs16": 47.4, "prefill_tok_s": 72.0},
     }
     levels = ("fp32", "bf16")
-    given = control._make_system(
-        "controller", engine, device, clock, policy, cal, levels, True, measured
-    )
+    given = make_system("controller", engine, device, clock, policy, cal, levels, True, measured)
     assert _options(given) == {"fp32": (147.7, 430.0), "bf16": (47.4, 72.0)}
     # Without a measured table: the calibration's speeds, where bf16 is ahead at both.
-    default = _options(
-        control._make_system("controller", engine, device, clock, policy, cal, levels, True)
-    )
+    default = _options(make_system("controller", engine, device, clock, policy, cal, levels, True))
     assert default["bf16"][0] > default["fp32"][0] > 0
     assert default["bf16"][1] > default["fp32"][1] > 0

@@ -1,0 +1,362 @@
+"""`bench control` on the real engine: measuring it for the engine model's calibration,
+its speed table and its capacity on this CPU, and running one scenario with one system on
+it in wall time, the virtual GPU stretching its steps.
+
+Measurement and wall-time runs only; the fits and the simulated runs are daemon.sim's.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.control_systems import make_system
+from controller.policy import ControlMode, Policy
+from daemon.sim.calibration import Calibration, LevelFit, fit_steps
+from daemon.sim.run import RunResult, Sample, energy_sample
+from daemon.sim.scenarios import RequestMix, Scenario, arrivals, prompt_tokens
+from daemon.sim.systems import PERIOD_S, Controlled
+
+
+def calibrate(model: str, levels: tuple[str, ...], dtype: str, threads: int | None) -> Calibration:
+    """Measure the real engine's steps at each level over a spread of batch shapes."""
+    import torch
+
+    from bench.engine import corpus_token_ids, corpus_window
+    from bench.quant import eval_text_file, perplexity
+    from daemon.config import default_cache_dir
+    from daemon.engine.engine import Engine, EngineOptions
+    from daemon.engine.loader import load_model
+    from daemon.engine.request import SamplingParams
+
+    if threads:
+        torch.set_num_threads(threads)
+    loaded = load_model(model, default_cache_dir(), dtype)
+    engine = Engine(
+        loaded,
+        EngineOptions(
+            kv_cache_bytes=1 << 30,
+            max_num_seqs=64,
+            max_num_batched_tokens=512,
+            quantization_levels=levels,
+        ),
+    )
+    kv_bpt = engine.kv_spec.bytes_per_block // engine.kv_spec.block_size_tokens
+    ids = corpus_token_ids(engine.tokenizer, 8192)
+    text_ids = engine.tokenize(eval_text_file().read_text(errors="replace"))[:1024]
+    steps: list[Any] = []
+    engine.add_step_hook(steps.append)
+    rng = random.Random(0)
+    # (requests, prompt tokens, new tokens): decode batches 1..64, contexts short to long,
+    # prefill chunks alone and mixed with decodes.
+    shapes = [(1, 24, 24), (4, 64, 16), (8, 300, 10), (16, 96, 12), (32, 48, 8), (64, 24, 6)]
+    shapes += [(2, 500, 3), (12, 200, 8), (2, 32, 16), (24, 64, 8)]
+    fits: dict[str, LevelFit] = {}
+    base_ppl = None
+    for level in levels:
+        t0 = time.perf_counter()
+        engine.set_quant_level(level)
+        prepare_s = time.perf_counter() - t0
+        engine.generate([ids[:8]], SamplingParams(max_tokens=4, temperature=0.0))  # applies it
+        ppl = perplexity(engine.model, text_ids)
+        base_ppl = base_ppl or ppl
+        steps.clear()
+        for n, prompt, new in shapes:
+            prompts = [corpus_window(ids, prompt, rng) for _ in range(n)]
+            params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+            engine.generate(prompts, params)
+        rows = [
+            [s.prefill_tokens, s.decode_tokens, s.kv_bytes_read // kv_bpt, round(s.duration_s, 6)]
+            for s in steps
+        ]
+        coef, cv, kept = fit_steps(rows)
+        fits[level] = LevelFit(
+            base_s=coef[0],
+            per_prefill_token_s=coef[1],
+            per_decode_token_s=coef[2],
+            per_context_token_s=coef[3],
+            noise_cv=cv,
+            weight_bytes=engine.model.level_bytes(level),
+            prepare_s=prepare_s,
+            samples=kept,
+            ppl_increase_pct=round(100.0 * (ppl / base_ppl - 1.0), 3),
+            steps=tuple(tuple(r) for r in rows),
+        )
+        print(
+            f"calibration {level}: t = {coef[0] * 1e3:.2f} ms + {coef[1] * 1e3:.3f} ms/prefill "
+            f"+ {coef[2] * 1e3:.3f} ms/decode + {coef[3] * 1e6:.3f} us/context token "
+            f"(cv {cv:.2f}, {kept}/{len(rows)} steps); ppl {ppl:.3f}; built in {prepare_s:.1f} s",
+            flush=True,
+        )
+    s = engine.model.shape
+    return Calibration(
+        model=loaded.name,
+        dtype=dtype,
+        threads=torch.get_num_threads(),
+        full_precision=engine.model.full_precision_level,
+        shape={
+            "num_layers": s.num_layers,
+            "hidden_size": s.hidden_size,
+            "num_heads": s.num_heads,
+            "num_kv_heads": s.num_kv_heads,
+            "head_dim": s.head_dim,
+            "intermediate_size": s.intermediate_size,
+            "vocab_size": s.vocab_size,
+        },
+        kv_bytes_per_token=kv_bpt,
+        block_size_tokens=engine.kv_spec.block_size_tokens,
+        levels=fits,
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+    )
+
+
+def _real_engine(loaded: Any, level: str, levels: tuple[str, ...] = ()) -> Any:
+    """A fresh real engine over the loaded weights, as every real-engine run here uses it:
+    a 512 MiB KV pool, caps 64/512, starting at `level`, allowed `level` and `levels`."""
+    from daemon.engine.engine import Engine, EngineOptions
+
+    return Engine(
+        loaded,
+        EngineOptions(
+            kv_cache_bytes=1 << 29,
+            max_num_seqs=64,
+            max_num_batched_tokens=512,
+            quantization_levels=tuple(dict.fromkeys((level, *levels))),
+            quantization_level=level,
+        ),
+    )
+
+
+def measure_level_speeds_real(loaded: Any, levels: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """Each level's speed on the real engine here and now, as bench quant's table gives it
+    to the daemon on the machine it runs on: decode tok/s at batch 16
+    (bench.quant.measure_speed: one interleaved round, 16 prompts of 64 tokens, 32 new
+    tokens each) and prefill tok/s (one 256-token prompt per level, best of two
+    interleaved rounds). The calibration's speeds may come from another machine: on a CPU
+    without bf16 instructions bf16 decodes slower than fp32 and bf16 and int8 prefill
+    several times slower, where a table from a machine with them ranks both ahead."""
+    from bench.engine import corpus_token_ids
+    from bench.quant import DecodeTimer, measure_speed
+    from daemon.engine.request import SamplingParams
+
+    engine = _real_engine(loaded, levels[0], levels)
+    timer = DecodeTimer()
+    engine.add_step_hook(timer)
+    ids = corpus_token_ids(engine.tokenizer, 2048)
+    prompts = [ids[i * 64 : (i + 1) * 64] for i in range(16)]
+    decode = measure_speed(engine, timer, levels, prompts, 32, 1)
+    prefill = dict.fromkeys(levels, 0.0)
+    prompt = ids[1024:1280]
+    for _ in range(2):
+        for lv in levels:
+            engine.set_quant_level(lv)
+            engine.generate([prompt[:8]], SamplingParams(max_tokens=1, temperature=0.0))
+            t0 = time.perf_counter()
+            engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+            prefill[lv] = max(prefill[lv], len(prompt) / (time.perf_counter() - t0))
+    out = {}
+    for lv in levels:
+        row = {"decode_tok_s_bs16": decode[lv]["decode_tok_s_bs16"], "prefill_tok_s": prefill[lv]}
+        if not all(math.isfinite(v) and v > 0 for v in row.values()):
+            raise RuntimeError(f"no speed measured for {lv}: {row}")
+        out[lv] = row
+    return out
+
+
+def measure_capacity_real(loaded: Any, level: str, mix: RequestMix, seconds: float) -> float:
+    """Requests/s the real engine (max clock; caps 64/512) completes when kept saturated
+    with the request mix: 64 in flight (a finished one is replaced at once), counted over
+    `seconds` after the first 16 have finished (the first wave prefills together, so a
+    fixed warm-up time would measure nothing on a slow CPU)."""
+    from bench.engine import corpus_token_ids, corpus_window
+    from daemon.engine.request import SamplingParams
+
+    engine = _real_engine(loaded, level)
+    ids = corpus_token_ids(engine.tokenizer, 8192)
+    rng = random.Random(99)
+    done: list[float] = []
+
+    def add() -> None:
+        prompt = corpus_window(ids, prompt_tokens(rng, mix), rng)
+        params = SamplingParams(
+            max_tokens=rng.randint(mix.output_min_tokens, mix.output_max_tokens),
+            temperature=0.0,
+            ignore_eos=True,
+        )
+        engine.add_request(prompt, params, on_output)
+
+    def on_output(out) -> None:  # engine thread
+        if out.finished and out.finish_reason != "abort":
+            done.append(time.monotonic())
+            add()
+
+    for _ in range(64):
+        add()
+    # On the engine's own thread, as in the runs (stepping from the main thread measured
+    # several times slower on this shared machine).
+    engine.start()
+    try:
+        give_up = time.monotonic() + 4 * seconds + 120.0
+        while len(done) < 16 and time.monotonic() < give_up:
+            time.sleep(0.2)
+        if len(done) < 16:
+            raise RuntimeError(f"capacity: only {len(done)} requests finished warming up")
+        t0, n0 = time.monotonic(), len(done)
+        time.sleep(seconds)
+        t1, n1 = time.monotonic(), len(done)
+    finally:
+        engine.stop(abort_pending=True)
+    if n1 - n0 < 8:
+        raise RuntimeError(f"capacity: only {n1 - n0} requests finished in {seconds:g} s")
+    return (n1 - n0) / (t1 - t0)
+
+
+def run_real(
+    scenario: Scenario,
+    system_name: str,
+    capacity_req_s: float,
+    mix: RequestMix,
+    policy: Policy,
+    levels: tuple[str, ...],
+    start_level: str,
+    cal: Calibration,
+    loaded: Any,
+    speeds: dict[str, dict[str, float]] | None = None,
+) -> RunResult:
+    """One scenario with one system on the real engine (a fresh one over the loaded
+    weights), in wall time; speeds: the controller's speed table (measure_level_speeds_real)."""
+    from bench.engine import corpus_token_ids
+    from daemon.config import DeviceConfig
+    from daemon.coupling import device_step_hook
+    from daemon.device import open_device
+    from daemon.engine.request import SamplingParams
+
+    engine = _real_engine(loaded, start_level, levels)
+    ids = corpus_token_ids(engine.tokenizer, 8192)
+    policy = policy.with_changes(power_budget_w=scenario.budget_w(0.0), mode=ControlMode.AUTO)
+    with tempfile.TemporaryDirectory() as state_dir:
+        device = open_device(
+            DeviceConfig(
+                backend="virtual",
+                mode="control",
+                state_dir=Path(state_dir),
+                virtual_seed=scenario.seed,
+                virtual_ambient_c=scenario.ambient_c(0.0),
+            )
+        )
+        system = make_system(
+            system_name,
+            engine,
+            device,
+            time.monotonic,
+            policy,
+            cal,
+            levels,
+            inline=False,
+            speeds=speeds,
+        )
+        engine.add_step_hook(device_step_hook(engine, device))
+        engine.add_step_hook(system.on_step)
+        engine.generate([ids[:16]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+        todo = arrivals(scenario, capacity_req_s, mix)
+        records: dict[str, list] = {}
+        lock = threading.Lock()
+        t_start = time.monotonic()
+
+        def sink_for(rid: str, arrival: float):
+            def sink(out) -> None:
+                now = time.monotonic()
+                rec = records[rid]
+                if out.token_ids and rec[1] is None:
+                    rec[1] = now - arrival
+                    system.record_ttft_s(rec[1])
+                rec[3] = out.completion_tokens
+                if out.finished:
+                    if rec[1] is not None and out.completion_tokens > 1:
+                        rec[2] = (now - arrival - rec[1]) / (out.completion_tokens - 1)
+                        system.record_tpot_s(rec[2])
+                    elif rec[1] is not None:
+                        rec[2] = 0.0
+
+            return sink
+
+        engine.start()
+        samples: list[Sample] = []
+        _, last = energy_sample(device)
+        e_start = last[1]
+        i = 0
+        next_tick = time.monotonic()
+        budget = scenario.budget_w(0.0)
+        knobs: dict = {}
+        end = t_start + scenario.duration_s
+        drain_end = end + 30.0
+        try:
+            while True:
+                now = time.monotonic()
+                rel = now - t_start
+                if now >= drain_end or (now >= end and not engine.has_work()):
+                    break
+                b = scenario.budget_w(rel)
+                if b != budget:
+                    budget = b
+                    system.set_budget_w(b)
+                device.backend.set_ambient_c(scenario.ambient_c(rel))
+                while i < len(todo) and todo[i][0] <= rel:
+                    _, plen, olen = todo[i]
+                    start = (i * 97) % (len(ids) - plen)
+                    rid = f"r{i}"
+                    arrival = t_start + todo[i][0]
+                    with lock:
+                        records[rid] = [arrival, None, None, 0]
+                    engine.add_request(
+                        ids[start : start + plen],
+                        SamplingParams(max_tokens=olen, temperature=0.0, ignore_eos=True),
+                        sink_for(rid, arrival),
+                        request_id=rid,
+                    )
+                    i += 1
+                if now >= next_tick:
+                    knobs = system.tick()
+                    next_tick += PERIOD_S
+                tel, cur = energy_sample(device)
+                if cur[0] > last[0]:
+                    power = (cur[1] - last[1]) / (cur[0] - last[0])
+                    samples.append(
+                        Sample(
+                            cur[0] - t_start,
+                            power,
+                            budget,
+                            tel.gpu_temp_c or 0.0,
+                            tel.sm_clock_mhz or 0,
+                            engine.num_running,
+                            engine.num_waiting,
+                            dict(knobs),
+                        )
+                    )
+                    last = cur
+                time.sleep(0.02)
+        finally:
+            engine.stop(abort_pending=True)
+            device.close(restore=False)
+    requests = [(r[0] - t_start, r[1], r[2], r[3]) for r in records.values()]
+    for j in range(i, len(todo)):
+        requests.append((todo[j][0], None, None, 0))
+    reasons = {}
+    if isinstance(system, Controlled):
+        reasons = {k: v for k, v in system.loop.controller.counters.decisions.items() if v}
+    return RunResult(
+        scenario=scenario.name,
+        system=system.name,
+        requests=requests,
+        samples=samples,
+        energy_j=last[1] - e_start,
+        output_tokens=engine.counters.generation_tokens,
+        duration_s=samples[-1].t_s if samples else 0.0,
+        knob_changes=system.knob_changes,
+        reasons=reasons,
+    )
