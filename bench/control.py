@@ -4,13 +4,14 @@ TTFT and TPOT, J per output token, seconds over budget, peak temperature, knob c
 
 Two engines. `--engine model` (default): an engine model in simulated time: the real
 scheduler and KV-cache manager (plain Python), step times from a linear fit per
-quantization level calibrated on the real engine's measured steps on this CPU (kept in
-the cache, `--recalibrate` to measure again), booked on the virtual GPU with a SimClock,
-so minutes of load take seconds. `--engine real`: the real engine on this CPU in wall
-time with the virtual GPU stretching its steps (short scenarios only), the controller's
-speed table measured on the spot as the daemon's comes from bench quant run where it
-serves (the engine model's comes from its calibration). Both drive the
-daemon's own ControlLoop. Baselines, same arrivals: max clock with fixed batch caps (the
+quantization level calibrated on the real engine's measured steps (by default the
+calibration committed in bench/data/, so the same command gives the same figures on any
+machine of this kind; `--calibrate-here` measures this machine's), booked on the virtual
+GPU with a SimClock, so minutes of load take seconds. `--engine real`: the real engine on
+this CPU in wall time with the virtual GPU stretching its steps (short scenarios only), the
+controller's speed table measured on the spot as the daemon's comes from bench quant run
+where it serves (the engine model's comes from its calibration). Both drive the daemon's
+own ControlLoop. Baselines, same arrivals: max clock with fixed batch caps (the
 uncontrolled engine), a static power cap at the budget, and a PI(D) loop on power only.
 Writes docs/control-<scenario>.png and docs/control-summary.png; the last line printed
 is one JSON object. Prompts are token counts (the engine model needs no text; the real
@@ -54,23 +55,84 @@ SYSTEMS = (
 )
 
 
-def load_or_calibrate(args) -> Calibration:
+# The calibration committed with the bench: the same command gives the same JSON on any
+# machine of this kind. Measured on the 2-core CI kind on 2026-12-04 (other jobs were
+# running); `--calibrate-here` measures this machine's instead.
+COMMITTED_CALIBRATIONS = Path(__file__).resolve().parent / "data"
+
+
+def committed_calibration_path(model: str, dtype: str, threads: int) -> Path:
+    return COMMITTED_CALIBRATIONS / f"control-calibration-{model}-{dtype}-t{threads}.json"
+
+
+def load_or_calibrate(args) -> tuple[Calibration, dict[str, Any]]:
+    """The engine model's calibration and where it came from (for the JSON line).
+
+    In order: `--calibration FILE`; `--calibrate-here` (measured now on this machine and
+    saved to the cache); the calibration committed with the bench for this model, dtype
+    and thread count. A missing one is an error naming the flag, never a silent
+    measurement: a figure must not depend on what a cache happens to hold.
+    """
     from daemon.config import default_cache_dir
 
     threads = args.threads or 2
-    path = args.calibration or calibration_path(
-        default_cache_dir(), args.model, args.dtype, threads
-    )
-    if path.is_file() and not args.recalibrate:
+    if args.calibrate_here:
+        path = calibration_path(default_cache_dir(), args.model, args.dtype, threads)
+        print(f"calibrating the real engine ({', '.join(args.levels)}); saving to {path}")
+        cal = calibrate(args.model, tuple(args.levels), args.dtype, threads)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(cal.to_json() + "\n")
+        source = "measured here"
+    else:
+        path = args.calibration or committed_calibration_path(args.model, args.dtype, threads)
+        source = "file" if args.calibration else "committed"
+        if not path.is_file():
+            raise SystemExit(
+                f"no calibration at {path}: pass --calibrate-here to measure this machine's, "
+                "or --calibration FILE"
+            )
         cal = Calibration.from_json(path.read_text())
-        if cal is not None and all(lv in cal.levels for lv in args.levels):
-            print(f"calibration: {path} (measured {cal.measured_at})", flush=True)
-            return cal
-    print(f"calibrating the real engine ({', '.join(args.levels)}); saved to {path}", flush=True)
-    cal = calibrate(args.model, tuple(args.levels), args.dtype, threads)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(cal.to_json() + "\n")
-    return cal
+        if cal is None:
+            raise SystemExit(f"{path}: not a calibration of this version (--calibrate-here)")
+    missing = [lv for lv in args.levels if lv not in cal.levels]
+    if missing:
+        raise SystemExit(f"{path}: no calibration for {', '.join(missing)} (--calibrate-here)")
+    print(f"calibration: {path} ({source}, measured {cal.measured_at})", flush=True)
+    return cal, calibration_facts(path, source, cal)
+
+
+def calibration_facts(path: Path, source: str, cal: Calibration) -> dict[str, Any]:
+    """Everything of the calibration that can change the figures, for the JSON line."""
+    import hashlib
+
+    return {
+        "source": source,
+        "path": str(path),
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "measured_at": cal.measured_at,
+        "levels": {
+            lv: {
+                "base_s": fit.base_s,
+                "per_prefill_token_s": fit.per_prefill_token_s,
+                "per_decode_token_s": fit.per_decode_token_s,
+                "noise_cv": fit.noise_cv,
+                "ppl_increase_pct": fit.ppl_increase_pct,
+            }
+            for lv, fit in cal.levels.items()
+        },
+    }
+
+
+def add_calibration_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--calibration", type=Path, default=None, help="a calibration file to use instead"
+    )
+    ap.add_argument(
+        "--calibrate-here",
+        action="store_true",
+        help="measure the real engine on this machine (saved to the cache) instead of the "
+        "calibration committed with the bench",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,13 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         help="real engine: take this capacity (req/s) instead of measuring it (to compare "
         "runs on a shared CPU whose speed varies)",
     )
-    ap.add_argument("--calibration", type=Path, default=None)
-    ap.add_argument("--recalibrate", action="store_true")
+    add_calibration_args(ap)
     ap.add_argument("--out", type=Path, default=Path("docs"))
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
 
-    cal = load_or_calibrate(args)
+    cal, cal_facts = load_or_calibrate(args)
     start = args.start_level or cal.full_precision
     levels = tuple(lv for lv in args.levels if lv in cal.levels)
     mix = RequestMix()
@@ -236,6 +297,11 @@ def main(argv: list[str] | None = None) -> int:
         plot_summary(table, path, f"{args.engine} engine, virtual H200: J/token and SLO attainment")
         print(f"wrote {path}", flush=True)
     line = _headline(table, args, cal, capacity, duration, levels, speeds)
+    line["calibration"] = cal_facts
+    line["seeds"] = {name: scenarios[name].seed for name in names}
+    # The engine model takes quality and speeds from the calibration; only the real
+    # engine measures a speed table (speed_table_tok_s). No quantization table is read.
+    line["quant_table"] = None
     print(json.dumps(line))
     return 0
 

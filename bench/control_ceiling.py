@@ -24,9 +24,8 @@ import argparse
 import itertools
 import json
 import time
-from pathlib import Path
 
-from bench.control import DEFAULT_LEVELS, load_or_calibrate
+from bench.control import DEFAULT_LEVELS, add_calibration_args, load_or_calibrate
 from bench.control_systems import run_model
 from controller.policy import ControlMode, Policy
 from daemon.sim.metrics import summarize
@@ -82,11 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--calibration", type=Path, default=None)
-    ap.add_argument("--recalibrate", action="store_true")
+    add_calibration_args(ap)
     args = ap.parse_args(argv)
 
-    cal = load_or_calibrate(args)
+    cal, _ = load_or_calibrate(args)
     start = cal.full_precision
     levels = tuple(lv for lv in args.levels if lv in cal.levels)
     mix = RequestMix()

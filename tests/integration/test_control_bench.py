@@ -4,7 +4,9 @@ metrics, the plots and the JSON line. Simulated seconds; no model, no torch step
 
 from __future__ import annotations
 
+import hashlib
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -94,6 +96,37 @@ def test_bench_control_model_engine_prints_the_headline_json(tmp_path, capsys):
     )
     assert (tmp_path / "control-model-steady60.png").stat().st_size > 10_000
     assert (tmp_path / "control-model-summary.png").is_file()
+    # Every input that can change the figures is named: the calibration (its file, hash
+    # and fitted values) and each scenario's seed.
+    cal = line["calibration"]
+    assert cal["source"] == "file" and cal["path"] == str(tmp_path / "cal.json")
+    assert cal["sha256"] == hashlib.sha256((tmp_path / "cal.json").read_bytes()).hexdigest()
+    assert (
+        cal["levels"]["fp32"]["per_decode_token_s"]
+        == _calibration().levels["fp32"].per_decode_token_s
+    )
+    assert line["seeds"] == {"steady60": 2, "budget_step": 6}
+
+
+def test_bench_control_uses_the_committed_calibration_unless_told_otherwise(tmp_path):
+    from bench.control import committed_calibration_path, load_or_calibrate
+
+    args = SimpleNamespace(
+        model="embedded",
+        dtype="float32",
+        threads=None,
+        levels=["fp32", "bf16", "int8"],
+        calibration=None,
+        calibrate_here=False,
+    )
+    cal, facts = load_or_calibrate(args)
+    path = committed_calibration_path("embedded", "float32", 2)
+    assert facts["source"] == "committed" and facts["path"] == str(path)
+    assert cal.model == "SmolLM2-135M-Instruct" and set(cal.levels) >= {"fp32", "bf16", "int8"}
+    # Nothing committed for another thread count: an error naming the way out, not a
+    # measurement made behind the user's back.
+    with pytest.raises(SystemExit, match="--calibrate-here"):
+        load_or_calibrate(SimpleNamespace(**{**vars(args), "threads": 3}))
 
 
 def _engine_model(tmp_path):
