@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from controller.controller import Controller, ControllerParams, Decision
 from controller.policy import Knobs, Policy, QuantOption
+from controller.schema import to_policy
 from controller.signals import (
     DeviceConstraints,
     EngineConstraints,
@@ -91,19 +92,6 @@ class SteerableDevice(Protocol):
     def set_power_limit_w(self, power_limit_w: float) -> Any: ...
 
     def lock_sm_clocks_mhz(self, min_mhz: int, max_mhz: int) -> Any: ...
-
-
-def policy_from_config(cfg: ControllerConfig) -> Policy:
-    """The policy in force at start, from [controller]."""
-    return Policy(
-        power_budget_w=cfg.power_budget_w,
-        ttft_slo_ms=cfg.ttft_slo_ms,
-        tpot_slo_ms=cfg.tpot_slo_ms,
-        slo_percentile=cfg.slo_percentile,
-        objective=cfg.objective,
-        mode=cfg.mode,
-        max_ppl_increase_pct=cfg.max_ppl_increase_pct,
-    )
 
 
 def params_from_config(cfg: ControllerConfig) -> ControllerParams:
@@ -290,7 +278,7 @@ class ControlLoop:
             decode_interval_ms=min(limits.decode_interval_ms, cfg.decode_interval_max_ms),
         )
         controller = Controller(
-            policy_from_config(cfg),
+            to_policy(cfg),
             device_constraints(device, telemetry),
             constraints,
             initial,

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from controller.schema import to_model
 from daemon.mqtt.payloads import (
     DeviceFigures,
     EventKind,
@@ -34,7 +35,6 @@ from daemon.mqtt.payloads import (
     KnobFigures,
     ServingFigures,
     TelemetryPayload,
-    policy_fields,
 )
 from daemon.mqtt.window import TelemetryWindow
 
@@ -309,7 +309,7 @@ class LiveFeed:
             serving=serving,
             latency=figures.latency,
             knobs=knobs,
-            policy=policy_fields(policy),
+            policy=to_model(policy).model_dump(mode="json"),
         )
 
     def _counters_now(self) -> dict[str, Any]:

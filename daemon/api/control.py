@@ -20,13 +20,13 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from controller.policy import Knobs as ControllerKnobs
+from controller.schema import PolicyModel, to_model
 from daemon.api.errors import APIError
 from daemon.api.openai import require_engine, serving, unavailable_error
 from daemon.api.schemas import (
     HealthResponse,
     Knobs,
     KnobsUpdate,
-    Policy,
     ReadyResponse,
     StatusResponse,
 )
@@ -143,7 +143,7 @@ async def status(request: Request) -> StatusResponse:
         model=state.served_model_name,
         server=server,
         engine=engine_info,
-        policy=state.policy,
+        policy=to_model(state.policy),
         device=device_info,
         controller=loop.status() if loop is not None else None,
     )
@@ -151,21 +151,21 @@ async def status(request: Request) -> StatusResponse:
 
 @router.get(
     "/v1/control/policy",
-    response_model=Policy,
+    response_model=PolicyModel,
     dependencies=[Depends(require_token)],
     tags=["control"],
 )
-async def get_policy(request: Request) -> Policy:
-    return serving(request).policy
+async def get_policy(request: Request) -> PolicyModel:
+    return to_model(serving(request).policy)
 
 
 @router.put(
     "/v1/control/policy",
-    response_model=Policy,
+    response_model=PolicyModel,
     dependencies=[Depends(require_token)],
     tags=["control"],
 )
-async def put_policy(body: Policy, request: Request) -> Policy:
+async def put_policy(body: PolicyModel, request: Request) -> PolicyModel:
     return serving(request).apply_policy(body, changed_by="http")
 
 
