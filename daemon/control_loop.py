@@ -44,6 +44,7 @@ from daemon.device.protocol import (
     SetOutcome,
     Telemetry,
 )
+from daemon.request_events import FirstToken, RequestFinished
 
 log = logging.getLogger(__name__)
 
@@ -183,8 +184,8 @@ class ControlLoop:
     """Feeds one Controller and applies its decisions.
 
     Wire: engine.add_step_hook(loop.on_step) *after* the device coupling hook (so a step's
-    duration includes the virtual GPU's stretch); the API calls record_ttft_s() at each
-    first token and record_tpot_s() at each finished request; HTTP/MQTT policy updates
+    duration includes the virtual GPU's stretch); it subscribes to the API's request
+    events (TTFT at each first token, TPOT at each finished request); HTTP/MQTT policy updates
     call set_policy(); PUT knobs calls set_manual_knobs(); /v1/status shows status().
     """
 
@@ -316,6 +317,15 @@ class ControlLoop:
         """A finished request's time per output token, as the API measured it."""
         with self._lock:
             self._tpot.append(tpot_s)
+
+    def on_first_token(self, event: FirstToken) -> None:
+        """Request-event subscriber: TTFT as the API measured it, at the first token."""
+        self.record_ttft_s(event.ttft_s)
+
+    def on_request_finished(self, event: RequestFinished) -> None:
+        """Request-event subscriber: the finished request's TPOT, where it has one."""
+        if event.tpot_s is not None:
+            self.record_tpot_s(event.tpot_s)
 
     def set_policy(self, policy: Policy) -> None:
         """The one path for policy changes (config, HTTP, MQTT); effective at the next tick."""

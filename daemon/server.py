@@ -104,6 +104,7 @@ class Daemon:
         self.cfg = cfg
         self.state = ServingState(cfg, resolve_api_token(cfg, environ))
         self.feed = self.state.feed = LiveFeed(self.state, period_s=_FEED_PERIOD_S)
+        self.state.request_events.subscribe(self.feed)
         self._build_engine = build_engine or self._load_and_build
         self._loop: asyncio.AbstractEventLoop | None = None
         self._shutdown: asyncio.Event | None = None
@@ -431,6 +432,7 @@ class Daemon:
         # A policy set while the model loaded (a PUT, a retained policy/set) holds.
         loop.set_policy(self.state.policy)
         self.state.control_loop = loop
+        self.state.request_events.subscribe(loop)
         return True
 
     def _quality_table(self, engine: Engine) -> dict | None:

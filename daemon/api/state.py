@@ -22,6 +22,7 @@ from controller.schema import PolicyModel, PolicyPatch, to_model, to_policy
 from daemon.api.metrics import Metrics
 from daemon.config import Config, ConfigError
 from daemon.engine.engine import Engine
+from daemon.request_events import RequestEvents
 
 if TYPE_CHECKING:
     from daemon.api.generation import GenerationStream
@@ -54,6 +55,9 @@ class ServingState:
     cfg: Config
     api_token: str | None
     metrics: Metrics = field(default_factory=Metrics)
+    # Each request's FirstToken and RequestFinished go to these subscribers: the metrics
+    # always, the feed and the control loop once the daemon has built them.
+    request_events: RequestEvents = field(default_factory=RequestEvents)
     engine: Engine | None = None
     # The GPU (or virtual GPU) and its sampler, once opened; the control loop, once running.
     device: ManagedDevice | None = None
@@ -75,6 +79,7 @@ class ServingState:
 
     def __post_init__(self) -> None:
         self.policy = to_policy(self.cfg.controller)
+        self.request_events.subscribe(self.metrics)
 
     @property
     def served_model_name(self) -> str | None:
