@@ -55,6 +55,10 @@ EventSink = Callable[[str, str, dict], None]
 _POWER_EQUAL_W = 0.5
 
 
+class QuantLevelRefused(ValueError):
+    """The engine refused a quantization level (unknown, or not allowed)."""
+
+
 class SteerableEngine(Protocol):
     """What the loop needs from an engine (daemon.engine.Engine, or a simulated one)."""
 
@@ -186,7 +190,7 @@ class ControlLoop:
     Wire: engine.add_step_hook(loop.on_step) *after* the device coupling hook (so a step's
     duration includes the virtual GPU's stretch); it subscribes to the API's request
     events (TTFT at each first token, TPOT at each finished request); HTTP/MQTT policy updates
-    call set_policy(); PUT knobs calls set_manual_knobs(); /v1/status shows status().
+    call set_policy(); PUT knobs calls put_manual_knobs(); /v1/status shows status().
     """
 
     def __init__(
@@ -335,6 +339,51 @@ class ControlLoop:
     def set_manual_knobs(self, knobs: Knobs) -> Knobs:
         with self._lock:
             return self.controller.set_manual_knobs(knobs)
+
+    def put_manual_knobs(
+        self,
+        *,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        quant_level: str | None = None,
+        clock_mhz: int | None = None,
+        decode_interval_ms: float | None = None,
+    ) -> Any:
+        """PUT knobs, the operator's input: written now through this loop, the one actuator,
+        and held as manual knobs (kept in manual mode; auto mode steers on from them).
+        None leaves a knob as it is. Blocking (a level never used takes seconds to build):
+        call it off the event loop. Raises QuantLevelRefused for a level the engine does
+        not have, before anything changed. Returns the clock lock's ClockLockResult (None
+        without clock_mhz); a lock not in force stops there, before the limits change."""
+        engine = self._engine
+        if quant_level is not None:
+            try:
+                engine.set_quant_level(quant_level)  # lands at the engine's next step
+            except ValueError as e:
+                raise QuantLevelRefused(str(e)) from None
+        result = None
+        if clock_mhz is not None:
+            result = self.lock_sm_clock_mhz(clock_mhz)
+            if result.outcome not in IN_FORCE:
+                return result
+        engine.set_limits(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            decode_interval_ms=decode_interval_ms,
+        )
+        limits = engine.limits
+        # The daemon's Engine (PUT knobs exists only there) says which level it will run.
+        requested = quant_level or engine.quant_status()["requested"]  # type: ignore[attr-defined]
+        self.set_manual_knobs(
+            Knobs(
+                max_num_seqs=limits.max_num_seqs,
+                max_num_batched_tokens=limits.max_num_batched_tokens,
+                quant_level=requested,
+                sm_clock_mhz=clock_mhz,
+                decode_interval_ms=limits.decode_interval_ms,
+            )
+        )
+        return result
 
     # ---- one tick ----------------------------------------
 
