@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from controller.controller import Controller, ControllerParams, Decision
 from controller.policy import Knobs, Policy, QuantOption
+from controller.schema import to_policy
 from controller.signals import (
     DeviceConstraints,
     EngineConstraints,
@@ -43,6 +44,7 @@ from daemon.device.protocol import (
     SetOutcome,
     Telemetry,
 )
+from daemon.request_events import FirstToken, RequestFinished
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,10 @@ DecisionSink = Callable[[Decision], None]
 EventSink = Callable[[str, str, dict], None]
 # A power limit read back within this of the one set is that one (NVML takes milliwatts).
 _POWER_EQUAL_W = 0.5
+
+
+class QuantLevelRefused(ValueError):
+    """The engine refused a quantization level (unknown, or not allowed)."""
 
 
 class SteerableEngine(Protocol):
@@ -91,19 +97,6 @@ class SteerableDevice(Protocol):
     def set_power_limit_w(self, power_limit_w: float) -> Any: ...
 
     def lock_sm_clocks_mhz(self, min_mhz: int, max_mhz: int) -> Any: ...
-
-
-def policy_from_config(cfg: ControllerConfig) -> Policy:
-    """The policy in force at start, from [controller]."""
-    return Policy(
-        power_budget_w=cfg.power_budget_w,
-        ttft_slo_ms=cfg.ttft_slo_ms,
-        tpot_slo_ms=cfg.tpot_slo_ms,
-        slo_percentile=cfg.slo_percentile,
-        objective=cfg.objective,
-        mode=cfg.mode,
-        max_ppl_increase_pct=cfg.max_ppl_increase_pct,
-    )
 
 
 def params_from_config(cfg: ControllerConfig) -> ControllerParams:
@@ -195,9 +188,9 @@ class ControlLoop:
     """Feeds one Controller and applies its decisions.
 
     Wire: engine.add_step_hook(loop.on_step) *after* the device coupling hook (so a step's
-    duration includes the virtual GPU's stretch); the API calls record_ttft_s() at each
-    first token and record_tpot_s() at each finished request; HTTP/MQTT policy updates
-    call set_policy(); PUT knobs calls set_manual_knobs(); /v1/status shows status().
+    duration includes the virtual GPU's stretch); it subscribes to the API's request
+    events (TTFT at each first token, TPOT at each finished request); HTTP/MQTT policy updates
+    call set_policy(); PUT knobs calls put_manual_knobs(); /v1/status shows status().
     """
 
     def __init__(
@@ -290,7 +283,7 @@ class ControlLoop:
             decode_interval_ms=min(limits.decode_interval_ms, cfg.decode_interval_max_ms),
         )
         controller = Controller(
-            policy_from_config(cfg),
+            to_policy(cfg),
             device_constraints(device, telemetry),
             constraints,
             initial,
@@ -329,6 +322,15 @@ class ControlLoop:
         with self._lock:
             self._tpot.append(tpot_s)
 
+    def on_first_token(self, event: FirstToken) -> None:
+        """Request-event subscriber: TTFT as the API measured it, at the first token."""
+        self.record_ttft_s(event.ttft_s)
+
+    def on_request_finished(self, event: RequestFinished) -> None:
+        """Request-event subscriber: the finished request's TPOT, where it has one."""
+        if event.tpot_s is not None:
+            self.record_tpot_s(event.tpot_s)
+
     def set_policy(self, policy: Policy) -> None:
         """The one path for policy changes (config, HTTP, MQTT); effective at the next tick."""
         with self._lock:
@@ -337,6 +339,51 @@ class ControlLoop:
     def set_manual_knobs(self, knobs: Knobs) -> Knobs:
         with self._lock:
             return self.controller.set_manual_knobs(knobs)
+
+    def put_manual_knobs(
+        self,
+        *,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        quant_level: str | None = None,
+        clock_mhz: int | None = None,
+        decode_interval_ms: float | None = None,
+    ) -> Any:
+        """PUT knobs, the operator's input: written now through this loop, the one actuator,
+        and held as manual knobs (kept in manual mode; auto mode steers on from them).
+        None leaves a knob as it is. Blocking (a level never used takes seconds to build):
+        call it off the event loop. Raises QuantLevelRefused for a level the engine does
+        not have, before anything changed. Returns the clock lock's ClockLockResult (None
+        without clock_mhz); a lock not in force stops there, before the limits change."""
+        engine = self._engine
+        if quant_level is not None:
+            try:
+                engine.set_quant_level(quant_level)  # lands at the engine's next step
+            except ValueError as e:
+                raise QuantLevelRefused(str(e)) from None
+        result = None
+        if clock_mhz is not None:
+            result = self.lock_sm_clock_mhz(clock_mhz)
+            if result.outcome not in IN_FORCE:
+                return result
+        engine.set_limits(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            decode_interval_ms=decode_interval_ms,
+        )
+        limits = engine.limits
+        # The daemon's Engine (PUT knobs exists only there) says which level it will run.
+        requested = quant_level or engine.quant_status()["requested"]  # type: ignore[attr-defined]
+        self.set_manual_knobs(
+            Knobs(
+                max_num_seqs=limits.max_num_seqs,
+                max_num_batched_tokens=limits.max_num_batched_tokens,
+                quant_level=requested,
+                sm_clock_mhz=clock_mhz,
+                decode_interval_ms=limits.decode_interval_ms,
+            )
+        )
+        return result
 
     # ---- one tick ----------------------------------------
 

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from controller.schema import to_model
 from daemon.mqtt.payloads import (
     DeviceFigures,
     EventKind,
@@ -34,9 +35,9 @@ from daemon.mqtt.payloads import (
     KnobFigures,
     ServingFigures,
     TelemetryPayload,
-    policy_fields,
 )
 from daemon.mqtt.window import TelemetryWindow
+from daemon.request_events import FirstToken, RequestFinished
 
 if TYPE_CHECKING:
     from controller.controller import Decision
@@ -149,6 +150,15 @@ class LiveFeed:
             windows = list(self._windows.values())
         for w in windows:
             w.record_request(ttft_s * 1000.0, None if tpot_s is None else tpot_s * 1000.0)
+
+    def on_request_finished(self, event: RequestFinished) -> None:
+        """Request-event subscriber: a request whose end the API saw, with a first token,
+        is a latency sample of every window."""
+        if event.e2e_s is not None and event.ttft_s is not None:
+            self.record_request(event.ttft_s, event.tpot_s)
+
+    def on_first_token(self, event: FirstToken) -> None:
+        pass  # TTFT is taken with the finished request, as one sample
 
     def publish_event(
         self, kind: EventKind, message: str, data: dict[str, Any] | None = None
@@ -309,7 +319,7 @@ class LiveFeed:
             serving=serving,
             latency=figures.latency,
             knobs=knobs,
-            policy=policy_fields(policy),
+            policy=to_model(policy).model_dump(mode="json"),
         )
 
     def _counters_now(self) -> dict[str, Any]:

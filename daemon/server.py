@@ -36,9 +36,9 @@ from typing import Any
 
 import uvicorn
 
+from controller.schema import PolicyModel, to_model
 from daemon.api.app import create_app
 from daemon.api.connection import ConnectionLimits, protocol_factory
-from daemon.api.schemas import Policy
 from daemon.api.state import Phase, ServingState, resolve_api_token
 from daemon.config import Config, default_cache_dir
 from daemon.control_loop import ControlLoop
@@ -104,6 +104,7 @@ class Daemon:
         self.cfg = cfg
         self.state = ServingState(cfg, resolve_api_token(cfg, environ))
         self.feed = self.state.feed = LiveFeed(self.state, period_s=_FEED_PERIOD_S)
+        self.state.request_events.subscribe(self.feed)
         self._build_engine = build_engine or self._load_and_build
         self._loop: asyncio.AbstractEventLoop | None = None
         self._shutdown: asyncio.Event | None = None
@@ -134,19 +135,19 @@ class Daemon:
         )
         feed.add_listener(on_event=self._on_feed_event)
         self.state.metrics.registry.register(MqttCollector(link))
-        link.set_policy(self.state.policy)
+        link.set_policy(to_model(self.state.policy))
         return link
 
-    def _mqtt_policy_set(self, fields: dict[str, Any]) -> Policy:
+    def _mqtt_policy_set(self, fields: dict[str, Any]) -> PolicyModel:
         """policy/set: the HTTP control body's model, applied as a PUT is. The feed reports
         the change (policy_changed, changed_by "mqtt"); a ValidationError rejects it."""
-        return self.state.apply_policy(Policy.model_validate(fields), changed_by="mqtt")
+        return self.state.apply_policy(PolicyModel.model_validate(fields), changed_by="mqtt")
 
     def _on_feed_event(self, event: EventPayload) -> None:
         assert self.mqtt is not None
         self.mqtt.publish_event(event)
         if event.kind == "policy_changed":  # over HTTP or MQTT: the retained policy follows
-            self.mqtt.set_policy(self.state.policy)
+            self.mqtt.set_policy(to_model(self.state.policy))
 
     def _set_phase(self, phase: Phase) -> None:
         """The serving phase, for the API and for MQTT's retained status."""
@@ -429,8 +430,9 @@ class Daemon:
         )
         engine.add_step_hook(loop.on_step)  # after the stretch, so durations include it
         # A policy set while the model loaded (a PUT, a retained policy/set) holds.
-        loop.set_policy(loop.controller.policy.with_changes(**self.state.policy.model_dump()))
+        loop.set_policy(self.state.policy)
         self.state.control_loop = loop
+        self.state.request_events.subscribe(loop)
         return True
 
     def _quality_table(self, engine: Engine) -> dict | None:

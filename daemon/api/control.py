@@ -3,9 +3,9 @@
 /health says the process serves; /ready says it can take generation requests (model
 loaded and warmed up, not draining). /v1/status is one JSON snapshot for people and
 scripts. The control endpoints need `Authorization: Bearer <token>` compared in constant
-time; with no token configured they are disabled (403), never open. Until the controller
-exists, a PUT policy is validated and stored, and PUT knobs sets the engine's batch caps
-(never above the configured ones).
+time; with no token configured they are disabled (403), never open. A PUT policy goes
+through ServingState.apply_policy; a PUT knobs (never above the configured bounds) is
+handed to the control loop, which writes it: no handler writes to the engine or device.
 This module must not make control decisions itself.
 """
 
@@ -19,19 +19,19 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from controller.policy import Knobs as ControllerKnobs
+from controller.schema import PolicyModel, to_model
 from daemon.api.errors import APIError
 from daemon.api.openai import require_engine, serving, unavailable_error
 from daemon.api.schemas import (
     HealthResponse,
     Knobs,
     KnobsUpdate,
-    Policy,
     ReadyResponse,
     StatusResponse,
 )
 from daemon.api.state import Phase, Unavailable
 from daemon.config import Config
+from daemon.control_loop import QuantLevelRefused
 from daemon.device.protocol import IN_FORCE
 
 router = APIRouter()
@@ -143,7 +143,7 @@ async def status(request: Request) -> StatusResponse:
         model=state.served_model_name,
         server=server,
         engine=engine_info,
-        policy=state.policy,
+        policy=to_model(state.policy),
         device=device_info,
         controller=loop.status() if loop is not None else None,
     )
@@ -151,21 +151,21 @@ async def status(request: Request) -> StatusResponse:
 
 @router.get(
     "/v1/control/policy",
-    response_model=Policy,
+    response_model=PolicyModel,
     dependencies=[Depends(require_token)],
     tags=["control"],
 )
-async def get_policy(request: Request) -> Policy:
-    return serving(request).policy
+async def get_policy(request: Request) -> PolicyModel:
+    return to_model(serving(request).policy)
 
 
 @router.put(
     "/v1/control/policy",
-    response_model=Policy,
+    response_model=PolicyModel,
     dependencies=[Depends(require_token)],
     tags=["control"],
 )
-async def put_policy(body: Policy, request: Request) -> Policy:
+async def put_policy(body: PolicyModel, request: Request) -> PolicyModel:
     return serving(request).apply_policy(body, changed_by="http")
 
 
@@ -232,48 +232,33 @@ async def get_knobs(request: Request) -> Knobs:
 )
 async def put_knobs(body: KnobsUpdate, request: Request) -> Knobs:
     state = serving(request)
-    engine = require_engine(state)
+    require_engine(state)
     _check_configured_bounds(body, state.cfg)  # before anything changes
-    if body.quant_level is not None:
-        try:
-            # Building a level the first time takes seconds: off the event loop.
-            await asyncio.to_thread(engine.set_quant_level, body.quant_level)
-        except ValueError as e:
-            raise APIError(400, str(e), param="quant_level", code="invalid_quant_level") from None
-    if body.clock_mhz is not None:
-        if state.device is None:
-            raise APIError(409, "no device is open", param="clock_mhz", code="no_device")
-        if state.control_loop is not None:
-            # Through the loop, the one actuator, so that it knows the lock is no drift.
-            lock = functools.partial(state.control_loop.lock_sm_clock_mhz, body.clock_mhz)
-        else:
-            lock = functools.partial(
-                state.device.lock_sm_clocks_mhz, body.clock_mhz, body.clock_mhz
-            )
-        result = await asyncio.to_thread(lock)
-        if result.outcome not in IN_FORCE:
-            raise APIError(
-                409,
-                f"clock lock not applied ({result.outcome.value}): {result.detail}",
-                param="clock_mhz",
-                code="knob_not_applied",
-            )
-    engine.set_limits(
-        max_num_seqs=body.max_num_seqs,
-        max_num_batched_tokens=body.max_num_batched_tokens,
-        decode_interval_ms=body.decode_interval_ms,
-    )
+    if body.clock_mhz is not None and state.device is None:
+        raise APIError(409, "no device is open", param="clock_mhz", code="no_device")
     loop = state.control_loop
-    if loop is not None:
-        # Manual mode holds these knobs; in auto mode the controller steers from here on.
-        limits = engine.limits
-        loop.set_manual_knobs(
-            ControllerKnobs(
-                max_num_seqs=limits.max_num_seqs,
-                max_num_batched_tokens=limits.max_num_batched_tokens,
-                quant_level=body.quant_level or engine.quant_status()["requested"],
-                sm_clock_mhz=body.clock_mhz,
-                decode_interval_ms=limits.decode_interval_ms,
+    if loop is None:  # the daemon starts it before the engine serves
+        raise APIError(409, "the control loop is not running", code="no_control_loop")
+    # The knobs are an input to the control loop, the one actuator: it writes them now
+    # (off the event loop: building a level the first time takes seconds) and holds them.
+    try:
+        result = await asyncio.to_thread(
+            functools.partial(
+                loop.put_manual_knobs,
+                max_num_seqs=body.max_num_seqs,
+                max_num_batched_tokens=body.max_num_batched_tokens,
+                quant_level=body.quant_level,
+                clock_mhz=body.clock_mhz,
+                decode_interval_ms=body.decode_interval_ms,
             )
+        )
+    except QuantLevelRefused as e:
+        raise APIError(400, str(e), param="quant_level", code="invalid_quant_level") from None
+    if result is not None and result.outcome not in IN_FORCE:
+        raise APIError(
+            409,
+            f"clock lock not applied ({result.outcome.value}): {result.detail}",
+            param="clock_mhz",
+            code="knob_not_applied",
         )
     return _knobs(request)

@@ -2,8 +2,10 @@
 
 The engine calls a request's sink on its own thread; the sink here hops each event onto
 the asyncio loop through a queue (loop.call_soon_threadsafe), so handlers simply await
-events. The bridge also owns the request's admission slot and its metrics: TTFT, ITL,
-TPOT and E2E are measured where the client sees them, on the API side. Closing a
+events. The bridge also owns the request's admission slot and measures it where the
+client sees it, on the API side: it publishes FirstToken and, once, RequestFinished
+(daemon/request_events.py) to the subscribers on the serving state, and observes each
+token gap (ITL) into the metrics itself. Closing a
 stream that has not finished aborts its sequence in the engine (client gone, drain
 timeout), which frees its KV blocks at the top of the next engine step. No tensors and
 no HTTP formatting here.
@@ -16,6 +18,7 @@ import time
 
 from daemon.api.state import ServingState
 from daemon.engine.request import InvalidRequestError, RequestOutput, SamplingParams
+from daemon.request_events import FirstToken, RequestFinished
 
 
 class ClientGone(Exception):
@@ -61,18 +64,17 @@ class GenerationStream:
         if out is None:
             raise ClientGone
         now = time.monotonic()
-        metrics = self.state.metrics
         if out.token_ids:
             if self._first_token_s is None:
                 self._first_token_s = now
-                metrics.ttft.observe(now - self.arrival_s)
-                if self.state.control_loop is not None:
-                    self.state.control_loop.record_ttft_s(now - self.arrival_s)
+                self.state.request_events.first_token(
+                    FirstToken(self.request_id, now - self.arrival_s)
+                )
             else:
                 # One engine event per token; a gap covers however many tokens it carries.
                 gap = (now - (self._last_token_s or now)) / len(out.token_ids)
                 for _ in out.token_ids:
-                    metrics.itl.observe(gap)
+                    self.state.metrics.itl.observe(gap)
             self._last_token_s = now
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.completion_tokens = out.completion_tokens or self.completion_tokens
@@ -83,22 +85,27 @@ class GenerationStream:
         return out
 
     def _record_finish(self, now: float) -> None:
-        metrics = self.state.metrics
         reason = self.finish_reason or "error"
-        metrics.requests.labels(reason).inc()
-        metrics.prompt_tokens.inc(self.prompt_tokens)
-        metrics.generation_tokens.inc(self.completion_tokens)
         e2e = now - self.arrival_s
-        metrics.e2e.observe(e2e)
         tpot_s = None
         if self._first_token_s is not None and self.completion_tokens > 1:
             tpot_s = (now - self._first_token_s) / (self.completion_tokens - 1)
-            metrics.tpot.observe(tpot_s)
-            if self.state.control_loop is not None:
-                self.state.control_loop.record_tpot_s(tpot_s)
-        if self._first_token_s is not None and self.state.feed is not None:
-            self.state.feed.record_request(self._first_token_s - self.arrival_s, tpot_s)
+        self._publish_finished(reason, tpot_s=tpot_s, e2e_s=e2e)
         self._release(e2e if reason in ("stop", "length") else None)
+
+    def _publish_finished(self, reason: str, *, tpot_s: float | None, e2e_s: float | None) -> None:
+        first = self._first_token_s
+        self.state.request_events.finished(
+            RequestFinished(
+                request_id=self.request_id,
+                finish_reason=reason,
+                prompt_tokens=self.prompt_tokens,
+                completion_tokens=self.completion_tokens,
+                ttft_s=None if first is None else first - self.arrival_s,
+                tpot_s=tpot_s,
+                e2e_s=e2e_s,
+            )
+        )
 
     def close(self) -> None:
         """Idempotent. If the engine has not finished the request, abort it there."""
@@ -111,10 +118,9 @@ class GenerationStream:
         if engine is not None:
             engine.abort(self.request_id)
         self.finish_reason = "abort"
-        # Counted now: the engine's own abort event arrives after nobody listens any more.
-        self.state.metrics.requests.labels("abort").inc()
-        self.state.metrics.prompt_tokens.inc(self.prompt_tokens)
-        self.state.metrics.generation_tokens.inc(self.completion_tokens)
+        # Published now: the engine's own abort event arrives after nobody listens any more.
+        # Its end was not seen, so it carries no TPOT or E2E.
+        self._publish_finished("abort", tpot_s=None, e2e_s=None)
         self._release(None)
 
     def abort(self) -> None:

@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from daemon.engine.engine import Engine, StepStats
+from daemon.request_events import FirstToken, RequestFinished
 
 PREFIX = "wattserve"
 OUTCOMES = (
@@ -229,6 +230,8 @@ class Metrics:
     """All metrics of one app; `render()` gives the Prometheus text format."""
 
     def __init__(self) -> None:
+        # Request counters and latencies come from request events (on_first_token,
+        # on_request_finished); the ITL histogram is observed per token by the API.
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -303,6 +306,18 @@ class Metrics:
         self.step_duration.observe(stats.duration_s)
         if stats.num_preempted:
             self.preemptions.inc(stats.num_preempted)
+
+    def on_first_token(self, event: FirstToken) -> None:
+        self.ttft.observe(event.ttft_s)
+
+    def on_request_finished(self, event: RequestFinished) -> None:
+        self.requests.labels(event.finish_reason).inc()
+        self.prompt_tokens.inc(event.prompt_tokens)
+        self.generation_tokens.inc(event.completion_tokens)
+        if event.e2e_s is not None:
+            self.e2e.observe(event.e2e_s)
+        if event.tpot_s is not None:
+            self.tpot.observe(event.tpot_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -19,6 +19,8 @@ from pydantic import (
     model_validator,
 )
 
+from controller.schema import PolicyModel
+
 # Bounds shared with the engine's SamplingParams checks.
 _PRIORITY_MIN = -(2**31)
 _PRIORITY_MAX = 2**31 - 1
@@ -472,15 +474,6 @@ class ReadyResponse(BaseModel):
     model: str
 
 
-class Policy(_Body):
-    """What the controller aims for; validated and stored until the controller acts on it."""
-
-    power_budget_w: float = Field(..., gt=0, le=100_000)
-    ttft_slo_ms: float = Field(..., gt=0, le=3_600_000)
-    tpot_slo_ms: float = Field(..., gt=0, le=3_600_000)
-    mode: Literal["auto", "manual", "observe"]
-
-
 class KnobsUpdate(_Body):
     """Manual knob settings; omitted or null fields keep their value."""
 
@@ -520,6 +513,6 @@ class StatusResponse(BaseModel):
     model: str | None
     server: dict[str, Any]
     engine: dict[str, Any] | None
-    policy: Policy
+    policy: PolicyModel
     device: dict[str, Any] | None = None
     controller: dict[str, Any] | None = None

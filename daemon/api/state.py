@@ -9,22 +9,26 @@ HTTP; handlers translate its refusals (`Unavailable`) into responses.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from controller.policy import Policy
+from controller.schema import PolicyModel, PolicyPatch, to_model, to_policy
 from daemon.api.metrics import Metrics
-from daemon.api.schemas import Policy
 from daemon.config import Config, ConfigError
 from daemon.engine.engine import Engine
+from daemon.request_events import RequestEvents
 
 if TYPE_CHECKING:
     from daemon.api.generation import GenerationStream
+    from daemon.control_loop import ControlLoop
+    from daemon.device import ManagedDevice, TelemetrySampler
+    from daemon.feed import LiveFeed
 
 
 class Phase(enum.Enum):
@@ -51,15 +55,20 @@ class ServingState:
     cfg: Config
     api_token: str | None
     metrics: Metrics = field(default_factory=Metrics)
+    # Each request's FirstToken and RequestFinished go to these subscribers: the metrics
+    # always, the feed and the control loop once the daemon has built them.
+    request_events: RequestEvents = field(default_factory=RequestEvents)
     engine: Engine | None = None
     # The GPU (or virtual GPU) and its sampler, once opened; the control loop, once running.
-    device: Any | None = None
-    device_sampler: Any | None = None
-    control_loop: Any | None = None
-    # daemon.feed.LiveFeed: telemetry snapshots and events for the dashboard and MQTT.
-    feed: Any | None = None
+    device: ManagedDevice | None = None
+    device_sampler: TelemetrySampler | None = None
+    control_loop: ControlLoop | None = None
+    # Telemetry snapshots and events for the dashboard and MQTT.
+    feed: LiveFeed | None = None
     phase: Phase = Phase.LOADING
-    policy: Policy = field(init=False)  # from [controller] until a PUT replaces it
+    # The policy in force: from [controller] until HTTP or MQTT changes it; the control
+    # loop's controller holds the same value once the loop runs.
+    policy: Policy = field(init=False)
     in_flight: int = 0
     # Admitted requests by id, so a drain that times out can abort each one.
     live: dict[str, GenerationStream] = field(default_factory=dict)
@@ -69,13 +78,8 @@ class ServingState:
     created_at_s: float = field(default_factory=time.time)  # wall clock, for /v1/models
 
     def __post_init__(self) -> None:
-        c = self.cfg.controller
-        self.policy = Policy(
-            power_budget_w=c.power_budget_w,
-            ttft_slo_ms=c.ttft_slo_ms,
-            tpot_slo_ms=c.tpot_slo_ms,
-            mode=c.mode,
-        )
+        self.policy = to_policy(self.cfg.controller)
+        self.request_events.subscribe(self.metrics)
 
     @property
     def served_model_name(self) -> str | None:
@@ -93,31 +97,23 @@ class ServingState:
         running = self.engine.limits.max_num_seqs if self.engine is not None else 0
         return running + self.cfg.server.max_waiting_requests
 
-    def apply_policy(self, body: Policy, changed_by: str) -> Policy:
-        """The one path for a new policy (HTTP PUT, MQTT policy/set): hand it to the
-        controller, keep it for /v1/status, and say so on the live feed."""
-        loop = self.control_loop
-        if loop is not None:
-            # The controller keeps the fields this body does not carry (percentile, objective).
-            current = loop.controller.policy
-            loop.set_policy(
-                dataclasses.replace(
-                    current,
-                    power_budget_w=body.power_budget_w,
-                    ttft_slo_ms=body.ttft_slo_ms,
-                    tpot_slo_ms=body.tpot_slo_ms,
-                    mode=body.mode,
-                )
-            )
-        self.policy = body
+    def apply_policy(self, edge: PolicyModel | PolicyPatch, changed_by: str) -> PolicyModel:
+        """The one path for a new policy (HTTP PUT, MQTT policy/set): the fields `edge`
+        carries over the policy in force, handed to the controller, kept for /v1/status,
+        and said on the live feed. Returns the policy in force as the wire shows it."""
+        policy = to_policy(edge, self.policy)
+        if self.control_loop is not None:
+            self.control_loop.set_policy(policy)
+        self.policy = policy
+        shown = to_model(policy)
         if self.feed is not None:
             self.feed.publish_event(
                 "policy_changed",
-                f"policy changed by {changed_by}: budget {body.power_budget_w:g} W, "
-                f"TTFT {body.ttft_slo_ms:g} ms, TPOT {body.tpot_slo_ms:g} ms, mode {body.mode}",
-                {"changed_by": changed_by, "policy": body.model_dump(mode="json")},
+                f"policy changed by {changed_by}: budget {shown.power_budget_w:g} W, "
+                f"TTFT {shown.ttft_slo_ms:g} ms, TPOT {shown.tpot_slo_ms:g} ms, mode {shown.mode}",
+                {"changed_by": changed_by, "policy": shown.model_dump(mode="json")},
             )
-        return body
+        return shown
 
     def admit(self) -> None:
         """Take one admission slot or raise Unavailable. Pair with release()."""

@@ -26,6 +26,7 @@ import aiomqtt
 import httpx
 import pytest
 
+from controller.schema import to_model
 from daemon.config import Config, ConfigError
 from daemon.mqtt import EventPayload, StatusPayload, TelemetryPayload, Topics
 from daemon.server import Daemon
@@ -159,7 +160,10 @@ def test_online_ready_periodic_telemetry_and_decision_events(broker, tiny_llama,
                 assert phases == sorted(phases, key=["loading", "warming", "ready"].index)
 
                 policy = await sub.wait_for(t.policy)
-                assert policy.json() == {"schema": 1, **srv.daemon.state.policy.model_dump()}
+                assert policy.json() == {
+                    "schema": 1,
+                    **to_model(srv.daemon.state.policy).model_dump(),
+                }
                 # Both are retained: a subscriber arriving now gets them at once.
                 async with Recorder(broker, t.status, t.policy) as late:
                     again = await late.wait_for(t.status)
@@ -187,7 +191,7 @@ def test_online_ready_periodic_telemetry_and_decision_events(broker, tiny_llama,
             engine = srv.engine
             assert ready[0].knobs.max_num_seqs is not None
             assert ready[0].knobs.quant_level == engine.quant_level
-            assert ready[0].policy == srv.daemon.state.policy.model_dump()
+            assert ready[0].policy == to_model(srv.daemon.state.policy).model_dump()
             figures = TelemetryPayload.model_validate_json(served.payload)
             assert figures.latency.ttft_p50_ms is not None and figures.latency.ttft_p50_ms > 0
             assert (figures.serving.generation_tokens_per_s or 0) > 0
@@ -271,7 +275,7 @@ def test_invalid_policy_set_changes_nothing_and_says_why(broker, tiny_llama, tmp
             async with serving(cfg, tiny_llama) as srv:
                 await sub.wait_for(t.status, lambda p: p["phase"] == "ready")
                 first = await sub.wait_for(t.policy)
-                before = srv.daemon.state.policy.model_dump()
+                before = to_model(srv.daemon.state.policy).model_dump()
                 for payload, _ in bad:
                     await sub.publish(t.policy_set, payload)
                 await wait_until(lambda: len(events_of(sub, t, "policy_rejected")) >= len(bad))

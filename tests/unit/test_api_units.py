@@ -8,10 +8,11 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from controller.schema import PolicyModel as Policy
 from daemon.api.app import create_app
 from daemon.api.errors import validation_error_response
 from daemon.api.middleware import host_without_port
-from daemon.api.schemas import ChatCompletionRequest, CompletionRequest, KnobsUpdate, Policy
+from daemon.api.schemas import ChatCompletionRequest, CompletionRequest, KnobsUpdate
 from daemon.api.state import Phase, ServingState, Unavailable, resolve_api_token
 from daemon.config import ConfigError, load_config
 

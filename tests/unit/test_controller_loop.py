@@ -12,13 +12,13 @@ import pytest
 
 from controller.controller import Controller, ControllerState, Reason
 from controller.policy import ControlMode, Knobs, Policy
+from controller.schema import to_policy
 from controller.signals import DeviceConstraints, EngineConstraints
 from daemon.config import ControllerConfig, load_config
 from daemon.control_loop import (
     ControlLoop,
     controller_telemetry,
     device_constraints,
-    policy_from_config,
     quant_options,
 )
 from daemon.device.protocol import (
@@ -255,11 +255,11 @@ def test_policy_and_quant_options_from_config_and_quality_table(tmp_path, monkey
         'objective = "min_latency"\nperiod_s = 0.5\n'
     )
     cfg = load_config(path)
-    p = policy_from_config(cfg.controller)
+    p = to_policy(cfg.controller)
     assert p.power_budget_w == 350.0 and p.mode is ControlMode.AUTO
     assert p.max_ppl_increase_pct == 2.0 and p.objective.value == "min_latency"
     assert cfg.controller.period_s == 0.5
-    assert policy_from_config(ControllerConfig()).mode is ControlMode.OBSERVE
+    assert to_policy(ControllerConfig()).mode is ControlMode.OBSERVE
     table = {"levels": {"fp32": {"ppl_increase_pct": 0.0}, "int8": {"ppl_increase_pct": 0.7}}}
     opts = quant_options(("fp32", "int8", "int4"), table, {"int8": 10})
     assert [(o.level, o.ppl_increase_pct, o.weight_bytes) for o in opts] == [

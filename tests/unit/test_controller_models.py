@@ -27,7 +27,7 @@ from controller.policy import (
     QuantOption,
     allowed_quant_levels,
 )
-from controller.schema import PolicyModel, PolicyPatch
+from controller.schema import PolicyModel, PolicyPatch, to_model, to_policy
 from controller.signals import DeviceConstraints, EngineConstraints, StepRecord
 
 
@@ -242,9 +242,9 @@ def test_constraints_validate():
 def test_policy_model_round_trips_and_rejects_bad_input():
     body = {"power_budget_w": 300, "ttft_slo_ms": 2000, "tpot_slo_ms": 200, "mode": "auto"}
     model = PolicyModel.model_validate(body)
-    policy = model.to_policy()
+    policy = to_policy(model)
     assert policy.slo_percentile == 99.0 and policy.objective is Objective.MIN_ENERGY_PER_TOKEN
-    assert PolicyModel.from_policy(policy) == model
+    assert to_model(policy) == model
     for bad in (
         {**body, "power_budget": 1},  # a typo is rejected by name
         {**body, "power_budget_w": -5},
@@ -261,11 +261,11 @@ def test_policy_model_round_trips_and_rejects_bad_input():
 
 def test_policy_patch_changes_only_what_it_names():
     base = Policy(300.0, 2000.0, 200.0, mode="auto", max_ppl_increase_pct=2.0)
-    patched = PolicyPatch.model_validate({"power_budget_w": 180}).apply_to(base)
+    patched = to_policy(PolicyPatch.model_validate({"power_budget_w": 180}), base)
     assert patched == base.with_changes(power_budget_w=180.0)
-    cleared = PolicyPatch.model_validate({"max_ppl_increase_pct": None}).apply_to(base)
+    cleared = to_policy(PolicyPatch.model_validate({"max_ppl_increase_pct": None}), base)
     assert cleared.max_ppl_increase_pct is None
-    moded = PolicyPatch.model_validate({"mode": "observe"}).apply_to(base)
+    moded = to_policy(PolicyPatch.model_validate({"mode": "observe"}), base)
     assert moded.mode is ControlMode.OBSERVE
     with pytest.raises(ValidationError):
         PolicyPatch.model_validate({"budget": 1})
