@@ -231,20 +231,27 @@ def test_stalled_stream_reader_is_cut_off_and_its_slot_freed(server) -> None:
     body = json.dumps(
         {"prompt": "abc", "max_tokens": 450, "ignore_eos": True, "temperature": 0, "stream": True}
     ).encode()
-    with _connect(srv, rcvbuf=1024) as s:
-        s.sendall(_post_head(len(body)) + body)
-        assert s.recv(12).startswith(b"HTTP/1.1 200")
-        # Then never read again. The one admission slot is held meanwhile.
-        _wait_for(lambda: srv.engine.num_running == 1, "the stream to run")
-        r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "x"}, timeout=30)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
-        _wait_for(lambda: srv.daemon.state.in_flight == 0, "the stalled stream's slot")
-        # The engine aborted it (the slot is freed first, the engine's step follows).
-        _wait_for(
-            lambda: srv.engine.counters.requests_finished["abort"] == aborts_before + 1,
-            "the engine's abort",
-        )
-        _wait_for(lambda: srv.engine.kv.num_used_blocks == 0, "its KV blocks")
+    # Decode pacing keeps the 450 tokens from all being generated before the write timeout
+    # fires (a tiny model on an idle machine does that in about a second, and the request
+    # then ends "length" rather than being aborted): 450 steps x 100 ms = 45 s.
+    srv.engine.set_limits(decode_interval_ms=100.0)
+    try:
+        with _connect(srv, rcvbuf=1024) as s:
+            s.sendall(_post_head(len(body)) + body)
+            assert s.recv(12).startswith(b"HTTP/1.1 200")
+            # Then never read again. The one admission slot is held meanwhile.
+            _wait_for(lambda: srv.engine.num_running == 1, "the stream to run")
+            r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "x"}, timeout=30)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
+            _wait_for(lambda: srv.daemon.state.in_flight == 0, "the stalled stream's slot")
+            # The engine aborted it (the slot is freed first, the engine's step follows).
+            _wait_for(
+                lambda: srv.engine.counters.requests_finished["abort"] == aborts_before + 1,
+                "the engine's abort",
+            )
+            _wait_for(lambda: srv.engine.kv.num_used_blocks == 0, "its KV blocks")
+    finally:
+        srv.engine.set_limits(decode_interval_ms=0.0)
     _normal_request_works(srv)
 
 
