@@ -132,7 +132,7 @@ class StructuredOutputs(_Body):
     json_: dict[str, Any] | str | None = Field(None, alias="json", description="A JSON schema.")
     regex: PatternText | None = None
     choice: GuidedChoices | None = None
-    grammar: PatternText | None = Field(None, description="EBNF (xgrammar's dialect).")
+    grammar: PatternText | None = Field(None, description="A Lark or GBNF grammar.")
     json_object: bool | None = None
 
 
@@ -206,7 +206,7 @@ class _SamplingFields(_Body):
         None, description="The output is exactly one of these strings (vLLM)."
     )
     guided_grammar: PatternText | None = Field(
-        None, description="An EBNF grammar (xgrammar's dialect) the output follows (vLLM)."
+        None, description="A Lark or GBNF grammar the output follows (vLLM)."
     )
     structured_outputs: StructuredOutputs | None = None
     # vLLM extras accepted only at their neutral value (see _NEUTRAL).

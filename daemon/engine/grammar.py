@@ -3,7 +3,7 @@
 Built on llguidance (chosen over xgrammar by bench/grammar.py: xgrammar 0.2.9 let raw
 control characters into length-bounded JSON strings; docs/api.md has the figures).
 Grammars compiles a GuidedDecoding (JSON schema, any JSON object, regex, choice list,
-Lark grammar) for the served tokenizer, raising InvalidRequestError for what it cannot
+Lark or GBNF grammar) for the served tokenizer, raising InvalidRequestError for what it cannot
 compile; callers compile off the event loop. GrammarState is one request's matcher: the
 engine thread fills its next-token bitmask, masks the row (disallowed -> -inf; EOS only
 where the grammar may end) and advances it with the sampled token. This module must not
@@ -110,7 +110,15 @@ def _grammar_text(matcher_cls: Any, guide: GuidedDecoding) -> str:
         return matcher_cls.grammar_from_lark(
             "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
         )
-    return matcher_cls.grammar_from_lark(guide.value)  # "grammar": Lark, llguidance's dialect
+    # "grammar": Lark (llguidance's dialect) or GBNF (llama.cpp's, as vLLM's xgrammar
+    # backend takes it), which llguidance converts to Lark.
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        lark = any_to_lark(guide.value)
+    except Exception as e:  # the converter's parse errors have no common base class
+        raise ValueError(f"not a Lark or GBNF grammar: {e}") from None
+    return matcher_cls.grammar_from_lark(lark)
 
 
 def _invalid(guide: GuidedDecoding, param: str, reason: str) -> InvalidRequestError:

@@ -33,7 +33,7 @@ class GuidedDecoding:
     """A structured-output constraint (daemon/engine/grammar.py compiles it).
 
     value: the JSON schema as JSON text ("json"), the regex ("regex"), the choices as a
-    JSON list of strings ("choice"), EBNF ("grammar"); empty for "json_object".
+    JSON list of strings ("choice"), Lark or GBNF ("grammar"); empty for "json_object".
     """
 
     kind: GuideKind

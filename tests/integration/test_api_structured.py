@@ -229,6 +229,28 @@ def test_guided_regex_matches(oai, model) -> None:
         assert re.fullmatch(pattern, c.text), c.text
 
 
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        'start: ("yes" | "no") " " NUM\nNUM: /[0-9]{1,3}/',  # Lark
+        'root ::= ("yes" | "no") " " [0-9] [0-9]? [0-9]?',  # GBNF
+    ],
+)
+def test_guided_grammar_in_lark_or_gbnf(oai, model, grammar) -> None:
+    comp = oai.completions.create(
+        model=model,
+        prompt="Say:",
+        n=8,
+        seed=4,
+        temperature=1.0,
+        max_tokens=20,
+        extra_body={"guided_grammar": grammar},
+    )
+    for c in comp.choices:
+        assert c.finish_reason == "stop"
+        assert re.fullmatch(r"(yes|no) [0-9]{1,3}", c.text), c.text
+
+
 def test_logprobs_are_those_of_the_constrained_distribution(oai, model) -> None:
     # One token can follow: its probability under the mask is 1 whatever the model says.
     comp = oai.completions.create(
@@ -262,7 +284,8 @@ def test_logprobs_are_those_of_the_constrained_distribution(oai, model) -> None:
         ({"guided_json": {"type": "string", "minLength": 5, "maxLength": 2}}, "guided_json"),
         ({"guided_json": "{not json"}, "guided_json"),
         ({"guided_regex": "(("}, "guided_regex"),
-        ({"guided_grammar": "root ::= "}, "guided_grammar"),
+        ({"guided_grammar": 'root ::= ( "a"'}, "guided_grammar"),
+        ({"guided_grammar": "start: missing_rule"}, "guided_grammar"),
         ({"structured_outputs": {"regex": "[z-a]"}}, "structured_outputs"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
         ({"structured_outputs": {}}, "structured_outputs"),
