@@ -37,7 +37,7 @@ def requested_guide(body: Any) -> tuple[GuidedDecoding, str] | None:
         given = [
             (kind, value)
             for kind, value in (
-                ("json", so.json_ if so.json_ is None else _schema_text(so.json_)),
+                ("json", None if so.json_ is None else _schema_text(so.json_)),
                 ("regex", so.regex),
                 ("choice", None if so.choice is None else json.dumps(so.choice)),
                 ("grammar", so.grammar),

@@ -289,6 +289,9 @@ def test_logprobs_are_those_of_the_constrained_distribution(oai, model) -> None:
         ({"structured_outputs": {"regex": "[z-a]"}}, "structured_outputs"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
         ({"structured_outputs": {}}, "structured_outputs"),
+        ({"structured_outputs": {"json_object": False}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"guided_decoding_backend": "xgrammar", "guided_regex": "a"}, "guided_decoding_backend"),
         ({"guided_regex": "a", "min_tokens": 2}, "min_tokens"),
     ],
 )
