@@ -40,8 +40,15 @@ from daemon.api.schemas import (
     _SamplingFields,
 )
 from daemon.api.state import ServingState, Unavailable
+from daemon.api.structured import requested_guide
 from daemon.engine.engine import Engine
-from daemon.engine.request import InvalidRequestError, RequestOutput, SamplingParams, TokenLogprob
+from daemon.engine.request import (
+    GuidedDecoding,
+    InvalidRequestError,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 
 router = APIRouter(tags=["openai"])
 
@@ -183,6 +190,7 @@ def sampling_params(
     prompt_len: int,
     engine: Engine,
     default_max_tokens: int,
+    guided: GuidedDecoding | None = None,
 ) -> SamplingParams:
     if max_tokens is None:
         # Unset means "a sensible answer": the configured default, clipped to the context.
@@ -227,6 +235,7 @@ def sampling_params(
         prompt_logprobs=prompt_logprobs,
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
+        guided=guided,
     )
 
 
@@ -236,11 +245,12 @@ def _choice_specs(
     max_tokens: int | None,
     engine: Engine,
     default_max_tokens: int,
+    guided: GuidedDecoding | None,
 ) -> list[ChoiceSpec]:
     """n choices per prompt, indexed prompt by prompt; sample j is seeded seed + j."""
     specs = []
     for p, ids in enumerate(prompts):
-        params = sampling_params(body, max_tokens, len(ids), engine, default_max_tokens)
+        params = sampling_params(body, max_tokens, len(ids), engine, default_max_tokens, guided)
         for j in range(body.n):
             seed = None if body.seed is None else (body.seed + j) % (_SEED_MAX + 1)
             specs.append(ChoiceSpec(p * body.n + j, p, ids, dataclasses.replace(params, seed=seed)))
@@ -301,8 +311,18 @@ async def _generate(
             raise InvalidRequestError("max_tokens must be >= 1 (0 only with echo)", "max_tokens")
         # Templating and tokenizing a long prompt takes a while: keep the loop responsive.
         prompts = await asyncio.to_thread(build_prompts)
+        guide = requested_guide(body)
+        if guide is not None:
+            # A schema the library cannot compile is refused here; compiling takes from
+            # milliseconds to seconds, so not on the loop. The engine finds it cached.
+            await asyncio.to_thread(engine.grammars.compile, *guide)
         specs = _choice_specs(
-            body, prompts, max_tokens, engine, state.cfg.engine.default_max_tokens
+            body,
+            prompts,
+            max_tokens,
+            engine,
+            state.cfg.engine.default_max_tokens,
+            None if guide is None else guide[0],
         )
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         choices = start_choices(state, specs, rid, arrival_s)

@@ -45,7 +45,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
     "tools": ([],),
     "tool_choice": ("none",),
-    "response_format": ({"type": "text"},),
 }
 
 
@@ -88,6 +87,55 @@ StopStrings = Annotated[
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+_MAX_CHOICES = 1024  # guided_choice alternatives
+_MAX_PATTERN_CHARS = 1 << 16  # regex / grammar text
+
+
+class JSONSchemaFormat(_Body):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(
+        ..., alias="schema", description="The JSON schema the output must validate against."
+    )
+    strict: bool | None = Field(
+        None, description="Accepted; the output always follows the schema (strict or not)."
+    )
+
+
+class ResponseFormatText(_Body):
+    type: Literal["text"]
+
+
+class ResponseFormatJSONObject(_Body):
+    type: Literal["json_object"]
+
+
+class ResponseFormatJSONSchema(_Body):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+ResponseFormat = Annotated[
+    ResponseFormatText | ResponseFormatJSONObject | ResponseFormatJSONSchema,
+    Field(discriminator="type"),
+]
+GuidedChoices = Annotated[
+    list[Annotated[str, Field(min_length=1, max_length=_MAX_STOP_CHARS)]],
+    Field(min_length=1, max_length=_MAX_CHOICES),
+]
+PatternText = Annotated[str, Field(min_length=1, max_length=_MAX_PATTERN_CHARS)]
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="A JSON schema.")
+    regex: PatternText | None = None
+    choice: GuidedChoices | None = None
+    grammar: PatternText | None = Field(None, description="A Lark or GBNF grammar.")
+    json_object: bool | None = None
 
 
 class _SamplingFields(_Body):
@@ -148,6 +196,21 @@ class _SamplingFields(_Body):
     skip_special_tokens: bool = Field(
         True, description="Leave special tokens out of the text (extension)."
     )
+    # Structured outputs (daemon/api/structured.py): at most one of these.
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object, or json_schema {name, schema, strict}."
+    )
+    guided_json: dict[str, Any] | str | None = Field(
+        None, description="A JSON schema the output follows (vLLM)."
+    )
+    guided_regex: PatternText | None = Field(None, description="A regex the output matches.")
+    guided_choice: GuidedChoices | None = Field(
+        None, description="The output is exactly one of these strings (vLLM)."
+    )
+    guided_grammar: PatternText | None = Field(
+        None, description="A Lark or GBNF grammar the output follows (vLLM)."
+    )
+    structured_outputs: StructuredOutputs | None = None
     # vLLM extras accepted only at their neutral value (see _NEUTRAL).
     use_beam_search: bool = Field(
         False,
@@ -287,13 +350,8 @@ class ChatCompletionRequest(_SamplingFields):
         None, description="Only 'none'.", json_schema_extra=_neutral_schema("tool_choice")
     )
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = Field(
-        None,
-        description="Only {'type': 'text'}.",
-        json_schema_extra=_neutral_schema("response_format"),
-    )
 
-    @field_validator("tools", "tool_choice", "response_format")
+    @field_validator("tools", "tool_choice")
     @classmethod
     def _neutral_chat(cls, v: Any, info: ValidationInfo) -> Any:
         return _require_neutral(v, info)

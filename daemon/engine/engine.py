@@ -24,6 +24,7 @@ import psutil
 import torch
 
 from daemon.engine.detokenizer import IncrementalDetokenizer
+from daemon.engine.grammar import Grammars, GrammarState, apply_masks
 from daemon.engine.kv_cache import KVCacheManager, KVCacheSpec, bytes_per_block
 from daemon.engine.loader import LoadedModel
 from daemon.engine.logits import RowHistory, logprobs_of, process
@@ -121,6 +122,7 @@ class _Request:
     first_token_s: float | None = None
     # Prompt logprobs gathered chunk by chunk (first token: None), when asked for.
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
+    grammar: GrammarState | None = None  # structured outputs: advanced by each sampled token
 
 
 class Engine:
@@ -164,6 +166,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv)
         self._limits = EngineLimits(options.max_num_seqs, options.max_num_batched_tokens)
         self.eos_token_ids = _eos_ids(loaded)
+        self.grammars = Grammars(self.tokenizer, shape.vocab_size, self.eos_token_ids)
         self._quant_allowed, self._quant_unavailable = _usable_levels(
             options.quantization_levels, loaded.dtype
         )
@@ -362,6 +365,7 @@ class Engine:
             ),
             generator=make_generator(params.seed),
             arrival_s=time.monotonic(),
+            grammar=None if params.guided is None else self.grammars.state(params.guided),
         )
         with self._intake_lock:
             if self.fault is None:
@@ -428,10 +432,13 @@ class Engine:
             )
             logits = self.model.forward(inputs)
             reqs = [self._requests[c.seq.seq_id] for c in inputs.sampled_chunks]
+            # Before the logits are read: on a GPU this overlaps the forward still running.
+            masks = self.grammars.fill_masks([r.grammar for r in reqs])
             self._gather_prompt_logprobs(inputs, logits[len(reqs) :])
             params = [r.params for r in reqs]
             history = [RowHistory(r.seq.prompt_token_ids, r.seq.output_token_ids) for r in reqs]
             processed = process(logits[: len(reqs)], params, history, self.eos_token_ids)
+            processed = apply_masks(processed, masks)
             tokens = sample(processed, params, [r.generator for r in reqs])
             logprobs = _sampled_logprobs(processed, params, tokens)
         except Exception:  # a bug in one batch must not take the daemon down
@@ -533,11 +540,16 @@ class Engine:
                     self._finish(req, "error", "prompt logprobs are incomplete")
                     return True
         self.counters.generation_tokens += 1
+        if req.grammar is not None and not req.grammar.advance(token):
+            self._finish(req, "error", "the sampled token does not fit the grammar")
+            return True
         reason = None
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             reason = "stop"
         elif req.detok.add(token):
             reason = "stop"
+        elif req.grammar is not None and req.grammar.terminated:
+            reason = "stop"  # after its text: the token that completed the grammar is kept
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:

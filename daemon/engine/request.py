@@ -14,6 +14,8 @@ _MIN_SAMPLING_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+GuideKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+_GUIDE_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 class InvalidRequestError(ValueError):
@@ -24,6 +26,18 @@ class InvalidRequestError(ValueError):
         self.message = message
         self.param = param
         self.code = code
+
+
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """A structured-output constraint (daemon/engine/grammar.py compiles it).
+
+    value: the JSON schema as JSON text ("json"), the regex ("regex"), the choices as a
+    JSON list of strings ("choice"), Lark or GBNF ("grammar"); empty for "json_object".
+    """
+
+    kind: GuideKind
+    value: str = ""
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: off; k: each prompt token's logprob + top k
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    guided: GuidedDecoding | None = None  # structured outputs: tokens outside it are masked
 
     @classmethod
     def from_dict(cls, values: dict) -> SamplingParams:
@@ -124,6 +139,14 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError("min_tokens must be <= max_tokens", param="min_tokens")
+        if self.guided is not None:
+            if self.guided.kind not in _GUIDE_KINDS:
+                raise InvalidRequestError(f"unknown guide kind {self.guided.kind!r}", "guided")
+            if self.min_tokens:
+                # The grammar may allow only EOS where min_tokens bans it: nothing is left.
+                raise InvalidRequestError(
+                    "min_tokens cannot be combined with structured outputs", param="min_tokens"
+                )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
