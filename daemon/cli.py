@@ -21,6 +21,7 @@ _FLAGS: dict[str, tuple[str, str, type]] = {
     "--port": ("server", "port", int),
     "--model": ("engine", "model", str),
     "--dtype": ("engine", "dtype", str),
+    "--engine-device": ("engine", "device", str),
     "--max-num-seqs": ("engine", "max_num_seqs", int),
     "--max-num-batched-tokens": ("engine", "max_num_batched_tokens", int),
     "--max-model-len": ("engine", "max_model_len", int),
@@ -80,12 +81,14 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from daemon.engine.engine import Engine, EngineOptions
     from daemon.engine.loader import load_model
+    from daemon.engine.placement import resolve_placement
     from daemon.engine.request import SamplingParams
 
     cfg = _config_from_args(args)
+    placement = resolve_placement(cfg.engine.device, cfg.device.gpu, cfg.device.backend)
     loaded = load_model(cfg.engine.model, cfg.engine.cache_dir or default_cache_dir(),
-                        cfg.engine.dtype)
-    engine = Engine(loaded, EngineOptions.from_config(cfg.engine))
+                        cfg.engine.dtype, placement.device.type)
+    engine = Engine(loaded, EngineOptions.from_config(cfg.engine), placement.device)
     prompt = args.prompt
     if not args.raw:
         prompt = loaded.tokenizer.apply_chat_template(
@@ -231,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from daemon.engine.loader import LoadError
+    from daemon.engine.placement import PlacementError
     from daemon.engine.request import InvalidRequestError
 
     args = build_parser().parse_args(argv)
@@ -240,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except (ConfigError, LoadError, InvalidRequestError) as e:
+    except (ConfigError, LoadError, InvalidRequestError, PlacementError) as e:
         print(f"wattserve: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
 

@@ -280,7 +280,7 @@ class _WeightOnlyLinear:
             xb = F.pad(xb, (0, self.padded_in - self.in_features))  # [T, padded_in]
         y = self._matmul(xb.contiguous())  # [T, padded_out] bf16
         if self.padded_out != self.out_features:
-            y = y[:, : self.out_features].contiguous()
+            y = y.narrow(1, 0, self.out_features).contiguous()
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)

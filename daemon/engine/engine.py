@@ -44,7 +44,8 @@ ENGINE_FAULT_MESSAGE = "the engine failed; the server is restarting"
 class EngineOptions:
     block_size_tokens: int = 16
     kv_cache_bytes: int | None = None
-    kv_cache_memory_fraction: float = 0.10
+    kv_cache_memory_fraction: float = 0.10  # CPU: of available host memory
+    gpu_memory_utilization: float = 0.90  # CUDA: of the GPU's memory, weights included
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
@@ -60,6 +61,7 @@ class EngineOptions:
             block_size_tokens=engine_cfg.block_size_tokens,
             kv_cache_bytes=engine_cfg.kv_cache_bytes,
             kv_cache_memory_fraction=engine_cfg.kv_cache_memory_fraction,
+            gpu_memory_utilization=engine_cfg.gpu_memory_utilization,
             max_num_seqs=engine_cfg.max_num_seqs,
             max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
             max_model_len=engine_cfg.max_model_len,
@@ -123,28 +125,41 @@ class _Request:
 class Engine:
     """Continuous batching over a paged KV cache on one model."""
 
-    def __init__(self, loaded: LoadedModel, options: EngineOptions) -> None:
+    def __init__(
+        self, loaded: LoadedModel, options: EngineOptions, device: torch.device | str = "cpu"
+    ) -> None:
+        """device: where weights, the KV pool, step tensors and sampling live
+        (daemon.engine.placement resolves `[engine] device` to it)."""
         if options.threads:
             torch.set_num_threads(options.threads)
+        self.device = dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = self.device = torch.device("cuda", torch.cuda.current_device())
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         cfg = loaded.hf_model.config
         shape = model_shape(cfg)
-        dtype_bytes = torch.empty((), dtype=loaded.dtype).element_size()
         bpb = bytes_per_block(
             shape.num_layers,
             options.block_size_tokens,
             shape.num_kv_heads,
             shape.head_dim,
-            dtype_bytes,
+            loaded.dtype.itemsize,
         )
-        budget = options.kv_cache_bytes or int(
-            psutil.virtual_memory().available * options.kv_cache_memory_fraction
+        # CPU: a share of the host memory available before the weights are built (as
+        # before); CUDA: what the weights leave of gpu_memory_utilization, so after them.
+        budget = options.kv_cache_bytes or (
+            None if dev.type == "cuda" else _kv_budget_bytes(dev, options)
         )
+        self.model = LlamaModel(
+            loaded.hf_model, None, options.block_size_tokens, loaded.dtype, dev
+        )
+        budget = budget or _kv_budget_bytes(dev, options)
         num_blocks = budget // bpb
         if num_blocks < 1:
             raise ValueError(f"KV cache budget {budget} bytes holds no block of {bpb} bytes")
+        self.model.allocate_kv_cache(num_blocks)
         self.kv_spec = KVCacheSpec(num_blocks, options.block_size_tokens, bpb)
         limit = options.max_model_len or shape.max_position_embeddings
         limit = min(limit, shape.max_position_embeddings, self.kv_spec.capacity_tokens)
@@ -152,9 +167,6 @@ class Engine:
         if cfg.model_type == "mistral" and window:
             limit = min(limit, window)  # no sliding-window attention: stay inside the window
         self.max_model_len = limit
-        self.model = LlamaModel(
-            loaded.hf_model, num_blocks, options.block_size_tokens, loaded.dtype
-        )
         self.kv = KVCacheManager(
             num_blocks, options.block_size_tokens, options.enable_prefix_caching
         )
@@ -162,7 +174,7 @@ class Engine:
         self._limits = EngineLimits(options.max_num_seqs, options.max_num_batched_tokens)
         self.eos_token_ids = _eos_ids(loaded)
         self._quant_allowed, self._quant_unavailable = _usable_levels(
-            options.quantization_levels, loaded.dtype
+            options.quantization_levels, loaded.dtype, dev
         )
         self._quant_prepare = options.quant_prepare
         start_level = options.quantization_level or self.model.full_precision_level
@@ -191,8 +203,9 @@ class Engine:
         self.counters = EngineCounters()
         self.last_step: StepStats | None = None
         log.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB; max_model_len %d; "
+            "KV cache on %s: %d blocks x %d tokens = %d tokens, %.1f MiB; max_model_len %d; "
             "prefix caching %s; attention %s",
+            dev,
             num_blocks,
             options.block_size_tokens,
             self.kv_spec.capacity_tokens,
@@ -343,7 +356,7 @@ class Engine:
             params=params,
             sink=sink,
             detok=IncrementalDetokenizer(self.tokenizer, ids, params.stop),
-            generator=make_generator(params.seed),
+            generator=make_generator(params.seed, self.device),
             arrival_s=time.monotonic(),
         )
         with self._intake_lock:
@@ -404,11 +417,11 @@ class Engine:
         self._last_step_start_s = t0
         self._last_decode_only = all(c.num_tokens == 1 for c in plan.chunks)
         try:
-            inputs = self.model.prepare(
+            lay = self.model.layout(
                 plan.chunks, {c.seq.seq_id: self.kv.table(c.seq.seq_id) for c in plan.chunks}
             )
-            logits = self.model.forward(inputs)
-            reqs = [self._requests[c.seq.seq_id] for c in inputs.sampled_chunks]
+            logits = self.model.forward(self.model.inputs_from(lay))
+            reqs = [self._requests[c.seq.seq_id] for c in lay.sampled_chunks]
             tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         except Exception:  # a bug in one batch must not take the daemon down
             log.exception("engine step failed; failing the %d requests in it", len(plan.chunks))
@@ -619,14 +632,33 @@ def _merge(into: dict[str, RequestOutput], out: RequestOutput) -> None:
     acc.prompt_tokens, acc.completion_tokens = out.prompt_tokens, out.completion_tokens
 
 
+def _kv_budget_bytes(device: torch.device, options: EngineOptions) -> int:
+    """KV pool bytes when kv_cache_bytes is unset. CUDA: gpu_memory_utilization of the
+    GPU's memory less what is in use now (the weights, other processes), as vLLM sizes it;
+    CPU: kv_cache_memory_fraction of the host memory available now."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * options.gpu_memory_utilization) - (total - free)
+        log.info(
+            "%s: %.1f of %.1f GiB free; gpu_memory_utilization %.2f leaves %.1f GiB for KV",
+            device,
+            free / 2**30,
+            total / 2**30,
+            options.gpu_memory_utilization,
+            max(budget, 0) / 2**30,
+        )
+        return max(budget, 0)
+    return int(psutil.virtual_memory().available * options.kv_cache_memory_fraction)
+
+
 def _usable_levels(
-    configured: Iterable[str], loaded_dtype: torch.dtype
+    configured: Iterable[str], loaded_dtype: torch.dtype, device: torch.device
 ) -> tuple[tuple[str, ...], dict[str, str]]:
     """Split configured levels into those this engine can run and {level: why not}."""
     usable: list[str] = []
     unusable: dict[str, str] = {}
     for level in configured:
-        why = level_unavailable_reason(level, loaded_dtype, "cpu")
+        why = level_unavailable_reason(level, loaded_dtype, device)
         if why is None:
             usable.append(level)
         else:

@@ -12,8 +12,9 @@ import torch
 from daemon.engine.request import SamplingParams
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    g = torch.Generator()
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on the device the logits live on (multinomial needs them together)."""
+    g = torch.Generator(device=device)
     if seed is None:
         g.seed()
     else:
@@ -44,15 +45,20 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator],
 ) -> list[int | None]:
-    """logits: [N, V] float32; one SamplingParams and generator per row."""
-    finite = torch.isfinite(logits).all(dim=-1).tolist()
-    greedy_ids = logits.argmax(dim=-1).tolist()
+    """logits: [N, V] float32; one SamplingParams and generator per row.
+
+    Greedy rows cost one device-to-host read for the whole batch (argmax and the
+    finiteness check travel together); each non-greedy row reads its own choice back.
+    """
+    finite = torch.isfinite(logits).all(dim=-1)
+    # -1 marks a row with non-finite logits; one read-back for the batch
+    greedy_ids = torch.where(finite, logits.argmax(dim=-1), -1).cpu().tolist()
     out: list[int | None] = []
-    for row, (p, ok) in enumerate(zip(params, finite, strict=True)):
-        if not ok:
+    for row, (p, greedy_id) in enumerate(zip(params, greedy_ids, strict=True)):
+        if greedy_id < 0:
             out.append(None)
         elif p.greedy:
-            out.append(greedy_ids[row])
+            out.append(greedy_id)
         else:
             out.append(_sample_row(logits[row], p, generators[row]))
     return out
