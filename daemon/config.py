@@ -106,6 +106,11 @@ class EngineConfig(_Section):
     enable_prefix_caching: bool = Field(
         True, description="Reuse the KV blocks of prompt prefixes computed before."
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="On CUDA: replay decode steps from CUDA graphs captured per batch-size "
+        "bucket; ignored on the CPU.",
+    )
 
     @model_validator(mode="after")
     def _check_quant_level(self) -> EngineConfig:

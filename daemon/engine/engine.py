@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
+from daemon.engine.cuda_graphs import DecodeGraphs
 from daemon.engine.detokenizer import IncrementalDetokenizer
 from daemon.engine.kv_cache import KVCacheManager, KVCacheSpec, bytes_per_block
 from daemon.engine.loader import LoadedModel
@@ -54,6 +55,7 @@ class EngineOptions:
     quantization_level: str | None = None  # None: the loaded dtype's level
     quant_prepare: str = "lazy"  # "lazy": build a level on first use; "start": all at start
     enable_prefix_caching: bool = True  # share the KV blocks of equal prompt prefixes
+    cuda_graphs: bool = True  # CUDA only: replay decode steps from captured graphs
 
     @classmethod
     def from_config(cls, engine_cfg) -> EngineOptions:
@@ -70,6 +72,7 @@ class EngineOptions:
             quantization_level=engine_cfg.quantization_level,
             quant_prepare=engine_cfg.quant_prepare,
             enable_prefix_caching=engine_cfg.enable_prefix_caching,
+            cuda_graphs=engine_cfg.cuda_graphs,
         )
 
 
@@ -185,6 +188,9 @@ class Engine:
         self.model.use_level(start_level)
         self.kv.set_namespace(start_level)
         self._quant_target = start_level  # written by set_quant_level, read by the loop
+        self._graphs: DecodeGraphs | None = None
+        if dev.type == "cuda" and options.cuda_graphs:
+            self._graphs = DecodeGraphs(self.model, options.max_num_seqs, self.max_model_len)
         self._weight_bytes = self.model.weight_bytes()
         self._kv_bytes_per_token = bpb // options.block_size_tokens
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -420,7 +426,9 @@ class Engine:
             lay = self.model.layout(
                 plan.chunks, {c.seq.seq_id: self.kv.table(c.seq.seq_id) for c in plan.chunks}
             )
-            logits = self.model.forward(self.model.inputs_from(lay))
+            logits = self._graphs.run(lay) if self._graphs is not None else None
+            if logits is None:  # prefill, mixed, or no graphs: eager
+                logits = self.model.forward(self.model.inputs_from(lay))
             reqs = [self._requests[c.seq.seq_id] for c in lay.sampled_chunks]
             tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         except Exception:  # a bug in one batch must not take the daemon down
