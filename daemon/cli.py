@@ -143,6 +143,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from bench import control as bench_control
 
         return bench_control.main(args.rest)
+    if args.which == "gpu":
+        from bench import gpu as bench_gpu
+
+        return bench_gpu.main(args.rest)
     if args.which == "control-ceiling":
         from bench import control_ceiling
 
@@ -225,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks (each prints one JSON line last)")
     p.add_argument(
-        "which", choices=["engine", "serve", "quant", "prefix", "control", "control-ceiling"]
+        "which",
+        choices=["engine", "serve", "quant", "prefix", "control", "control-ceiling", "gpu"],
     )
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)
