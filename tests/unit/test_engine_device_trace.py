@@ -15,7 +15,9 @@ What cannot be faked here, and is left to `wattserve bench gpu` on a GPU machine
   CPU tensor, so that the staging buffer is really page-locked is not observable;
 - CUDA generators (non-greedy sampling): `torch.Generator(device="cuda")` needs the CUDA
   library, so only greedy rows are sampled here;
-- CUDA-graph capture (torch.cuda.CUDAGraph needs a real device).
+- CUDA-graph capture (torch.cuda.CUDAGraph needs a real device);
+- the int4 levels: building an Int4Linear makes a contiguous copy of its scales, and a copy
+  between (fake) CUDA tensors needs the CUDA library; int8 and fp8 steps are traced here.
 """
 
 from __future__ import annotations
@@ -108,15 +110,22 @@ def _chunks(kind: str) -> tuple[list[ScheduledChunk], dict[str, list[int]]]:
 
 
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_cuda_step_touches_no_host_tensor_and_syncs_once(hf_model, kind, dtype):
+@pytest.mark.parametrize(
+    "dtype,level",
+    [(torch.bfloat16, None), (torch.float32, None), (torch.bfloat16, "int8"),
+     (torch.bfloat16, "fp8")],
+)
+def test_a_cuda_step_touches_no_host_tensor_and_syncs_once(hf_model, kind, dtype, level):
     fake = FakeTensorMode(allow_non_fake_inputs=True)  # the real HF weights go in once
     with fake:
         model = LlamaModel(hf_model, 8, 4, dtype, CUDA0)
+        if level is not None:
+            model.use_level(level)  # quantized on the (fake) device
     assert model.attention_backend == "torch"
     for t in [model.embed, model.final_norm, model.rope.cos, *model.k_cache, *model.v_cache]:
         assert t.device == CUDA0
-    assert model.layers[0].qkv.weight.device == CUDA0
+    qkv = model.layers[0].qkv
+    assert next(t for t in vars(qkv).values() if isinstance(t, torch.Tensor)).device == CUDA0
     fake.allow_non_fake_inputs = False  # from here a real tensor in any op raises
     chunks, tables = _chunks(kind)
     with fake:
