@@ -23,6 +23,7 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -157,7 +158,12 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     for x, y in zip(a, b, strict=True):
         k = next((i for i, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), len(x))
         prefix.append(k)
-    return {"identical": same, "of": len(a), "min_common_prefix": min(prefix)}
+    return {
+        "identical": same,
+        "of": len(a),
+        "min_common_prefix": min(prefix),
+        "mean_common_prefix": _r(statistics.fmean(prefix), 1),
+    }
 
 
 def decode_tok_s(engine, prompts: list[list[int]], new_tokens: int) -> float:
@@ -168,7 +174,7 @@ def decode_tok_s(engine, prompts: list[list[int]], new_tokens: int) -> float:
     return produced / secs
 
 
-def build_engine(loaded, device, graphs: bool, max_num_seqs: int):
+def build_engine(loaded, device, graphs: bool, max_num_seqs: int, kv_cache_gib: float):
     from daemon.engine.engine import Engine, EngineOptions
 
     opts = EngineOptions(
@@ -176,7 +182,7 @@ def build_engine(loaded, device, graphs: bool, max_num_seqs: int):
         max_num_batched_tokens=4096,
         quantization_levels=(_level(loaded.dtype),),
         cuda_graphs=graphs,
-        kv_cache_bytes=4 << 30,
+        kv_cache_bytes=int(kv_cache_gib * 2**30),
         enable_prefix_caching=False,
     )
     return Engine(loaded, opts, device)
@@ -202,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--load-seconds", type=float, default=8.0, help="per power load")
     ap.add_argument("--quick", action="store_true", help="fewer prompts and tokens")
+    ap.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV pool per engine")
     ap.add_argument("--out-dir", default="docs")
     args = ap.parse_args(argv)
     if args.quick:
@@ -217,9 +224,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from daemon.config import default_cache_dir
     from daemon.device.nvml import NvmlBackend
-    from daemon.engine.loader import load_model
     from daemon.engine.placement import resolve_placement
 
     t_start = time.perf_counter()
@@ -248,59 +253,135 @@ def _run(args: argparse.Namespace) -> int:
         },
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        "seconds_per_section": {},
     }
-    cache = default_cache_dir()
-    checks, timings = {}, {}
+    # Each section on its own: one that fails is reported, and the others still run.
     for dtype_name in ("bfloat16", "float32"):
-        loaded = load_model("embedded", cache, dtype_name, "cuda")
-        tok = loaded.tokenizer
-        prompts = prompts_for(tok, args.prompts)
-        hf = loaded.hf_model.to(device)
-        engine = build_engine(loaded, device, graphs=True, max_num_seqs=args.batch)
-        ours = ours_greedy(engine, prompts, args.check_tokens)
-        theirs = hf_greedy(hf, prompts, args.check_tokens, device)
-        checks[dtype_name] = agreement(ours, theirs)
-        # timings: graphs on and off, bs1 and batched; HF generate bs1 for reference
-        from bench.engine import single_stream_ours
-
-        t: dict = {}
-        bs1 = {}
-        for graphs in (True, False):
-            eng = engine if graphs else build_engine(loaded, device, False, args.batch)
-            single_stream_ours(eng, prompts[0], 8)  # warm-up (graph capture for bucket 1)
-            bs1[graphs] = single_stream_ours(eng, prompts[0], args.decode_tokens)
-            batch_prompts = [prompts[i % len(prompts)] for i in range(args.batch)]
-            decode_tok_s(eng, batch_prompts, 8)  # warm-up
-            t[f"batch{args.batch}_tok_s_graphs_{'on' if graphs else 'off'}"] = _r(
-                decode_tok_s(eng, batch_prompts, args.decode_tokens), 1
-            )
-            if not graphs:
-                del eng
-        t["bs1_decode_tok_s_graphs_on"] = _r(bs1[True], 1)
-        t["bs1_decode_tok_s_graphs_off"] = _r(bs1[False], 1)
-        hf_t0 = time.perf_counter()
-        hf_greedy(hf, prompts[:1], args.decode_tokens, device)
-        t["hf_generate_bs1_tok_s"] = _r(args.decode_tokens / (time.perf_counter() - hf_t0), 1)
-        step_bytes = engine.model.weight_bytes()
-        t["bs1_step_weight_bytes"] = step_bytes
-        if peak_bw:
-            roof_s = step_bytes / peak_bw
-            t["bs1_roofline_tok_s"] = _r(1 / roof_s, 0)
-            t["bs1_fraction_of_roofline"] = _r(bs1[True] * roof_s, 3)
-        timings[dtype_name] = t
-        if dtype_name == "bfloat16":
-            report["power"] = _power_loads(backend, engine, prompts, args)
-        del engine, hf, loaded
-        gc.collect()
-        torch.cuda.empty_cache()
+        _section(report, f"smollm2_{dtype_name}", lambda d=dtype_name: _smollm2(
+            d, device, backend, peak_bw, args, report
+        ))
+    _section(report, "llama_1b_shaped", lambda: _llama_1b_shaped(device, peak_bw, args))
     backend.close()
-    report["greedy_vs_hf"] = checks
-    report["timings"] = timings
     report["seconds"] = _r(time.perf_counter() - t_start, 1)
     path = _write_doc(report, args)
     report["doc"] = str(path)
     print(json.dumps(report))
-    return 0
+    return 0 if report["ok"] else 1
+
+
+def _section(report: dict, name: str, fn) -> None:
+    t0 = time.perf_counter()
+    try:
+        report[name] = fn()
+    except Exception as e:  # noqa: BLE001 - reported, and the run goes on
+        traceback.print_exc()
+        report[name] = {"error": f"{type(e).__name__}: {e}"}
+        report["ok"] = False
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+    report["seconds_per_section"][name] = _r(time.perf_counter() - t0, 1)
+
+
+def _smollm2(dtype_name: str, device, backend, peak_bw, args, report: dict) -> dict:
+    """Greedy agreement with HF generate, decode timings, roofline (and power, in bf16)."""
+    from bench.engine import single_stream_ours
+    from daemon.config import default_cache_dir
+    from daemon.engine.loader import load_model
+
+    loaded = load_model("embedded", default_cache_dir(), dtype_name, "cuda")
+    prompts = prompts_for(loaded.tokenizer, args.prompts)
+    hf = loaded.hf_model.to(device)
+    engine = build_engine(loaded, device, True, args.batch, args.kv_cache_gib)
+    out: dict = {}
+    ours = ours_greedy(engine, prompts, args.check_tokens)
+    theirs = hf_greedy(hf, prompts, args.check_tokens, device)
+    out["greedy_vs_hf"] = agreement(ours, theirs)
+    bs1 = {}
+    batch_prompts = [prompts[i % len(prompts)] for i in range(args.batch)]
+    for graphs in (True, False):
+        eng = engine if graphs else build_engine(
+            loaded, device, False, args.batch, args.kv_cache_gib
+        )
+        single_stream_ours(eng, prompts[0], 8)  # warm-up (captures bucket 1 with graphs)
+        bs1[graphs] = single_stream_ours(eng, prompts[0], args.decode_tokens)
+        decode_tok_s(eng, batch_prompts, 8)  # warm-up
+        out[f"batch{args.batch}_tok_s_graphs_{'on' if graphs else 'off'}"] = _r(
+            decode_tok_s(eng, batch_prompts, args.decode_tokens), 1
+        )
+        if not graphs:
+            del eng
+    out["bs1_decode_tok_s_graphs_on"] = _r(bs1[True], 1)
+    out["bs1_decode_tok_s_graphs_off"] = _r(bs1[False], 1)
+    t0 = time.perf_counter()
+    hf_greedy(hf, prompts[:1], args.decode_tokens, device)
+    out["hf_generate_bs1_tok_s"] = _r(args.decode_tokens / (time.perf_counter() - t0), 1)
+    out.update(_roofline(engine.model.weight_bytes(), bs1[True], peak_bw))
+    if dtype_name == "bfloat16":
+        report["power"] = _power_loads(backend, engine, prompts, args)
+    return out
+
+
+def _roofline(step_bytes: int, tok_s: float, peak_bw: float | None) -> dict:
+    """bs1 decode against reading every weight once per token at peak HBM bandwidth."""
+    out: dict = {"bs1_step_weight_bytes": step_bytes}
+    if peak_bw:
+        roof_s = step_bytes / peak_bw
+        out["bs1_roofline_tok_s"] = _r(1 / roof_s, 0)
+        out["bs1_fraction_of_roofline"] = _r(tok_s * roof_s, 3)
+    return out
+
+
+def _llama_1b_shaped(device, peak_bw, args) -> dict:
+    """A random-weight model with Llama-3.2-1B's layer shapes (seeded, nothing downloaded;
+    SmolLM2's 49,152-token vocabulary so that its tokenizer detokenizes the output): bs1
+    decode at every quantization level the GPU runs, against the roofline."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench.engine import single_stream_ours
+    from daemon.config import default_cache_dir
+    from daemon.engine.engine import Engine, EngineOptions
+    from daemon.engine.loader import LoadedModel, load_model
+
+    tok = load_model("embedded", default_cache_dir(), "bfloat16", "cuda").tokenizer
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    loaded = LoadedModel(hf, tok, "llama-3.2-1b-shaped", Path("."), torch.bfloat16, 0.0, False)
+    levels = ("bf16", "int8", "int4", "fp8")
+    engine = Engine(
+        loaded,
+        EngineOptions(
+            max_num_seqs=args.batch,
+            max_num_batched_tokens=4096,
+            quantization_levels=levels,
+            kv_cache_bytes=int(args.kv_cache_gib * 2**30),
+            enable_prefix_caching=False,
+        ),
+        device,
+    )
+    prompt = prompts_for(tok, 1)[0]
+    out: dict = {"unavailable": engine.quant_status()["unavailable"]}
+    for level in engine.quant_status()["levels"]:
+        engine.set_quant_level(level)
+        single_stream_ours(engine, prompt, 8)  # lands the level, captures its graph
+        tok_s = single_stream_ours(engine, prompt, args.decode_tokens)
+        out[level] = {"bs1_decode_tok_s": _r(tok_s, 1)} | _roofline(
+            engine.model.weight_bytes(), tok_s, peak_bw
+        )
+    return out
 
 
 def _power_loads(backend, engine, prompts, args) -> dict:
@@ -336,27 +417,36 @@ def _write_doc(report: dict, args: argparse.Namespace) -> Path:
     lines = [
         f"# wattserve on {g['name']} ({day})",
         "",
-        f"Command: `wattserve bench gpu {' '.join(sys.argv[3:])}`".rstrip() + " "
-        f"(torch {report['torch']}, CUDA {report['cuda']}); NVML observe only.",
+        f"Command: `{' '.join(['wattserve bench gpu', *sys.argv[3:]])}`"
+        + f" (torch {report['torch']}, CUDA {report['cuda']}); NVML observe only; "
+        f"{report.get('seconds')} s in all.",
         "",
         f"GPU {g['uuid']} at {g['pci_bus_id']} ({g['cuda_device']}), compute capability "
         f"{g['capability']}, {g['memory_gib']} GiB, power limit {g['power_limit_w']} W, "
-        f"HBM peak {g['hbm_peak_gb_s']} GB/s.",
+        f"HBM peak {g['hbm_peak_gb_s']} GB/s (NVML: max memory clock x bus width x 2).",
         "",
-        "## Greedy outputs vs HF generate on the same GPU (SmolLM2-135M-Instruct)",
-        "",
-        "| dtype | identical | common prefix (min tokens) |",
-        "|---|---|---|",
     ]
-    for name, c in report["greedy_vs_hf"].items():
-        lines.append(f"| {name} | {c['identical']}/{c['of']} | {c['min_common_prefix']} |")
-    lines += ["", "## Decode speed", "", "| dtype | figure | value |", "|---|---|---|"]
-    for name, t in report["timings"].items():
-        lines += [f"| {name} | {k} | {v} |" for k, v in t.items()]
-    lines += ["", "## Power at three loads (NVML)", "", "```", json.dumps(report.get("power"),
-              indent=1), "```", ""]
+    for name in ("smollm2_bfloat16", "smollm2_float32", "llama_1b_shaped"):
+        lines += [f"## {name}", "", "| figure | value |", "|---|---|"]
+        for key, value in _flat(report.get(name, {})):
+            lines.append(f"| {key} | {value} |")
+        lines.append("")
+    lines += ["## Power at three loads (NVML, SmolLM2 bf16)", "", "| figure | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in _flat(report.get("power", {}))]
+    lines += ["", f"Seconds per section: {report['seconds_per_section']}", ""]
     path.write_text("\n".join(lines))
     return path
+
+
+def _flat(d: dict, prefix: str = "") -> list[tuple[str, object]]:
+    out: list[tuple[str, object]] = []
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out += _flat(value, name + ".")
+        else:
+            out.append((name, value))
+    return out
 
 
 if __name__ == "__main__":
