@@ -192,3 +192,31 @@ def test_kv_budget_on_cuda_is_what_the_weights_leave_of_gpu_memory_utilization(m
     # more in use than the share allows: no room, never a negative budget
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (10 * gib, 140 * gib))
     assert _kv_budget_bytes(CUDA0, EngineOptions(gpu_memory_utilization=0.5)) == 0
+
+
+def test_every_tensor_factory_in_the_engine_and_kernels_names_its_device():
+    """A static guard for what the trace checks dynamically: torch.tensor / zeros / arange
+    / empty / ... / Generator in daemon/engine and wattserve_kernels always pass device=
+    (the *_like factories inherit their input's device and are not listed)."""
+    import ast
+    from pathlib import Path
+
+    factories = {"tensor", "zeros", "ones", "empty", "full", "arange", "eye", "randn", "rand",
+                 "randint", "linspace", "as_tensor", "Generator"}
+    root = Path(__file__).resolve().parents[2]
+    missing = []
+    sources = [*(root / "daemon/engine").glob("*.py"), *(root / "wattserve_kernels").glob("*.py")]
+    checked = 0
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in factories
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "torch"
+            ):
+                checked += 1
+                if not any(k.arg == "device" for k in node.keywords):
+                    missing.append(f"{path.relative_to(root)}:{node.lineno} torch.{node.func.attr}")
+    assert checked > 10 and missing == []
