@@ -20,6 +20,7 @@ _FLAGS: dict[str, tuple[str, str, type]] = {
     "--port": ("server", "port", int),
     "--model": ("engine", "model", str),
     "--dtype": ("engine", "dtype", str),
+    "--engine-device": ("engine", "device", str),
     "--max-num-seqs": ("engine", "max_num_seqs", int),
     "--max-num-batched-tokens": ("engine", "max_num_batched_tokens", int),
     "--max-model-len": ("engine", "max_model_len", int),
@@ -79,12 +80,14 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from daemon.engine.engine import Engine, EngineOptions
     from daemon.engine.loader import load_model
+    from daemon.engine.placement import resolve_placement
     from daemon.engine.request import SamplingParams
 
     cfg = _config_from_args(args)
+    placement = resolve_placement(cfg.engine.device, cfg.device.gpu, cfg.device.backend)
     loaded = load_model(cfg.engine.model, cfg.engine.cache_dir or default_cache_dir(),
-                        cfg.engine.dtype)
-    engine = Engine(loaded, EngineOptions.from_config(cfg.engine))
+                        cfg.engine.dtype, placement.device.type)
+    engine = Engine(loaded, EngineOptions.from_config(cfg.engine), placement.device)
     prompt = args.prompt
     if not args.raw:
         prompt = loaded.tokenizer.apply_chat_template(
@@ -139,6 +142,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from bench import control as bench_control
 
         return bench_control.main(args.rest)
+    if args.which == "gpu":
+        from bench import gpu as bench_gpu
+
+        return bench_gpu.main(args.rest)
     if args.which == "control-ceiling":
         from bench import control_ceiling
 
@@ -224,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks (each prints one JSON line last)")
     p.add_argument(
-        "which", choices=["engine", "serve", "quant", "prefix", "control", "control-ceiling"]
+        "which",
+        choices=["engine", "serve", "quant", "prefix", "control", "control-ceiling", "gpu"],
     )
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)
@@ -233,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from daemon.engine.loader import LoadError
+    from daemon.engine.placement import PlacementError
     from daemon.engine.request import InvalidRequestError
 
     parser = build_parser()
@@ -247,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except (ConfigError, LoadError, InvalidRequestError) as e:
+    except (ConfigError, LoadError, InvalidRequestError, PlacementError) as e:
         print(f"wattserve: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
 

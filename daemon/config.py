@@ -100,12 +100,25 @@ class EngineConfig(_Section):
     )
     served_model_name: str | None = None
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    device: str = Field(
+        "auto",
+        pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
+        description="auto | cpu | cuda | cuda:N; auto: the CUDA device that is device.gpu, "
+        "else the CPU.",
+    )
     cache_dir: Path | None = Field(
         None, description="Converted-weights cache; default $WATTSERVE_CACHE or ~/.cache/wattserve."
     )
     block_size_tokens: int = Field(16, gt=0, le=1024)
     kv_cache_bytes: int | None = Field(None, gt=0)
     kv_cache_memory_fraction: float = Field(0.10, gt=0, le=0.9)
+    gpu_memory_utilization: float = Field(
+        0.90,
+        gt=0,
+        le=1,
+        description="On CUDA: share of the GPU's memory the engine may use (weights, KV pool, "
+        "activations); the KV pool gets what is left of it after the weights.",
+    )
     max_num_seqs: int = Field(64, gt=0)
     max_num_batched_tokens: int = Field(512, gt=0)
     max_model_len: int | None = Field(None, gt=0)
@@ -124,6 +137,11 @@ class EngineConfig(_Section):
     )
     enable_prefix_caching: bool = Field(
         True, description="Reuse the KV blocks of prompt prefixes computed before."
+    )
+    cuda_graphs: bool = Field(
+        True,
+        description="On CUDA: replay decode steps from CUDA graphs captured per batch-size "
+        "bucket; ignored on the CPU.",
     )
 
     @model_validator(mode="after")

@@ -47,6 +47,13 @@ from daemon.device import TelemetrySampler, open_device
 from daemon.device.protocol import DeviceError
 from daemon.engine.engine import Engine, EngineOptions
 from daemon.engine.loader import LoadError, load_model
+from daemon.engine.placement import (
+    GpuIdentity,
+    Placement,
+    PlacementError,
+    check_controlled,
+    resolve_placement,
+)
 from daemon.engine.request import SamplingParams
 from daemon.feed import LiveFeed
 from daemon.mqtt import DeviceSummary, EventPayload, MqttLink
@@ -106,6 +113,7 @@ class Daemon:
         self.feed = self.state.feed = LiveFeed(self.state, period_s=_FEED_PERIOD_S)
         self.state.request_events.subscribe(self.feed)
         self._build_engine = build_engine or self._load_and_build
+        self._placement: Placement | None = None  # set by _load_and_build
         self._loop: asyncio.AbstractEventLoop | None = None
         self._shutdown: asyncio.Event | None = None
         self._signals = 0
@@ -167,9 +175,14 @@ class Daemon:
 
     # ---- engine construction (runs on a helper thread) ---------------------------------
     def _load_and_build(self) -> Engine:
-        e = self.cfg.engine
-        loaded = load_model(e.model, e.cache_dir or default_cache_dir(), e.dtype)
-        return Engine(loaded, EngineOptions.from_config(e))
+        e, d = self.cfg.engine, self.cfg.device
+        placement = resolve_placement(e.device, d.gpu, d.backend)
+        log.info("engine device: %s (%s)", placement.device, placement.why)
+        self._placement = placement
+        loaded = load_model(
+            e.model, e.cache_dir or default_cache_dir(), e.dtype, placement.device.type
+        )
+        return Engine(loaded, EngineOptions.from_config(e), placement.device)
 
     # ---- shutdown requests -----------------------------------------------------------------
     def request_shutdown(self) -> None:
@@ -345,7 +358,7 @@ class Daemon:
             log.info("shutdown before the model finished loading")
             return 0
         if isinstance(engine, BaseException):
-            if isinstance(engine, (LoadError, ValueError)):
+            if isinstance(engine, (LoadError, ValueError, PlacementError)):
                 log.error("cannot serve: %s", engine)
             else:
                 log.error("cannot serve: %s", engine, exc_info=engine)
@@ -417,6 +430,17 @@ class Daemon:
         sampler = TelemetrySampler(device, rate_hz=self.cfg.device.sample_hz)
         sampler.start()
         self.state.device, self.state.device_sampler = device, sampler
+        if self._placement is not None:
+            try:
+                ident = device.capabilities()
+                check_controlled(
+                    self._placement,
+                    GpuIdentity(ident.uuid, ident.pci_bus_id, ident.name),
+                    ident.is_virtual,
+                )
+            except PlacementError as e:
+                log.error("cannot serve: %s", e)
+                return False
         if device.capabilities().is_virtual:
             # The simulated clock acts on real steps: the engine waits out the stretch.
             engine.add_step_hook(device_step_hook(engine, device))

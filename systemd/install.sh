@@ -9,6 +9,7 @@
 #   /opt/wattserve                      a venv holding the wattserve package (from this checkout)
 #   /opt/wattserve/share/wattserve/systemd/   the unit, the control drop-in, the example config
 #   /etc/systemd/system/wattserve.service
+#   /etc/systemd/system/wattserve@.service  the per-GPU template (one instance per GPU)
 #   /etc/wattserve/config.toml          the example config, only where none exists
 #   /etc/wattserve/api-token            a random control-API token, root-only, only where none exists
 #   /etc/systemd/system/wattserve.service.d/control.conf   with --control only
@@ -92,6 +93,7 @@ OPT="$ROOT/opt/wattserve"
 SHARE="$OPT/share/wattserve/systemd"
 UNIT_DIR="$ROOT/etc/systemd/system"
 UNIT="$UNIT_DIR/wattserve.service"
+UNIT_TEMPLATE="$UNIT_DIR/wattserve@.service"
 DROPIN_DIR="$UNIT_DIR/wattserve.service.d"
 CONF_DIR="$ROOT/etc/wattserve"
 
@@ -144,11 +146,12 @@ check_tree() {
     if [ -z "$ROOT" ]; then
         top_opt=/opt top_etc=/etc top_unit=/etc/systemd/system
     fi
-    for f in wattserve.service wattserve-control.conf config.example.toml; do
+    for f in wattserve.service wattserve@.service wattserve-control.conf config.example.toml; do
         guard_file "$top_opt" "$SHARE/$f"
     done
     guard_opt
     guard_file "$top_unit" "$UNIT"
+    guard_file "$top_unit" "$UNIT_TEMPLATE"
     guard_file "$top_unit" "$DROPIN_DIR/control.conf"
     guard_file "$top_etc" "$CONF_DIR/config.toml"
     guard_file "$top_etc" "$CONF_DIR/api-token"
@@ -191,9 +194,10 @@ do_install() {
     if [ "$VENV" -eq 1 ]; then
         install_venv
     fi
-    install -m 0644 "$SRC/systemd/wattserve.service" "$SRC/systemd/wattserve-control.conf" \
-        "$SRC/systemd/config.example.toml" "$SHARE/"
+    install -m 0644 "$SRC/systemd/wattserve.service" "$SRC/systemd/wattserve@.service" \
+        "$SRC/systemd/wattserve-control.conf" "$SRC/systemd/config.example.toml" "$SHARE/"
     install -m 0644 "$SRC/systemd/wattserve.service" "$UNIT"
+    install -m 0644 "$SRC/systemd/wattserve@.service" "$UNIT_TEMPLATE"
     if [ ! -e "$CONF_DIR/config.toml" ]; then
         install -m 0644 "$SRC/systemd/config.example.toml" "$CONF_DIR/config.toml"
     fi
@@ -221,7 +225,7 @@ do_uninstall() {
     if systemd_live; then
         systemctl disable --now wattserve.service 2>/dev/null || true
     fi
-    rm -f "$UNIT" "$DROPIN_DIR/control.conf"
+    rm -f "$UNIT" "$UNIT_TEMPLATE" "$DROPIN_DIR/control.conf"
     if [ -d "$DROPIN_DIR" ]; then
         rmdir "$DROPIN_DIR" 2>/dev/null || echo "install.sh: kept $DROPIN_DIR (other drop-ins in it)"
     fi

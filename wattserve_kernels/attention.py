@@ -39,7 +39,8 @@ def write_kv(
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """cache [N, bs, KVH, D], block_table [NB] -> the first `length` tokens, [1, KVH, L, D]."""
     g = cache.index_select(0, block_table)  # [NB, bs, KVH, D]
-    return g.reshape(-1, cache.shape[2], cache.shape[3])[:length].transpose(0, 1).unsqueeze(0)
+    flat = g.reshape(-1, cache.shape[2], cache.shape[3]).narrow(0, 0, length)
+    return flat.transpose(0, 1).unsqueeze(0)
 
 
 def paged_attention(
@@ -58,7 +59,8 @@ def paged_attention(
     for a decode, a chunk for a prefill. q: [T, H, D]; block_tables: [B, NB] int64, rows
     padded with any valid block id; query_start: [B + 1] int64; context_lens: [B] int64.
     Returns [T, H, D]. On the CPU the C++ kernel reads K/V blocks in place (no gathered
-    copy, no mask); elsewhere, or where it could not be built, paged_attention_torch serves.
+    copy, no mask); elsewhere, or where it could not be built, paged_attention_torch serves
+    (the model calls paged_decode_attention itself for decode steps off the CPU).
     """
     if q.device.type == "cpu" and load_cpu_kernels():
         return torch.ops.wattserve.paged_attention(
@@ -77,15 +79,24 @@ def paged_attention_torch(
     query_start: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    host_query_start: list[int] | None = None,
+    host_context_lens: list[int] | None = None,
 ) -> torch.Tensor:
-    """paged_attention in plain torch: each sequence's context gathered, then SDPA."""
+    """paged_attention in plain torch: each sequence's context gathered, then SDPA.
+
+    host_query_start / host_context_lens: the same bounds as host lists when the caller has
+    them; then nothing is read back from the device (each .tolist() is a sync on CUDA).
+    """
     bs = k_cache.shape[1]
-    starts = query_start.tolist()
-    out = torch.empty_like(q)
-    for b, ctx in enumerate(context_lens.tolist()):
+    starts = query_start.tolist() if host_query_start is None else host_query_start
+    lens = context_lens.tolist() if host_context_lens is None else host_context_lens
+    parts = []
+    for b, ctx in enumerate(lens):
         q0, q1 = starts[b], starts[b + 1]
         n = q1 - q0
-        table = block_tables[b, : -(-ctx // bs)]
+        # narrow, not Python indexing (see norm_rope.apply_rope)
+        table = block_tables.select(0, b).narrow(0, 0, -(-ctx // bs))
         k = _gather(k_cache, table, ctx)  # [1, KVH, ctx, D]
         v = _gather(v_cache, table, ctx)
         mask = None
@@ -93,7 +104,7 @@ def paged_attention_torch(
             mask = torch.arange(ctx, device=q.device) <= torch.arange(
                 ctx - n, ctx, device=q.device
             ).unsqueeze(1)
-        qh = q[q0:q1].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        qh = q.narrow(0, q0, n).transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         o = F.scaled_dot_product_attention(
             qh,
             k,
@@ -103,8 +114,40 @@ def paged_attention_torch(
             scale=scale,
             enable_gqa=True,
         )
-        out[q0:q1] = o.squeeze(0).transpose(0, 1)
-    return out
+        parts.append(o.squeeze(0).transpose(0, 1))
+    # one cat, not copies into an output: copy_ between CUDA tensors needs the CUDA library,
+    # which a fake-CUDA trace on a CPU-only torch does not have
+    return torch.cat(parts) if parts else torch.empty_like(q)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence (a decode step), with shapes fixed by the inputs' shapes
+    alone: no value is read back to the host, so a CUDA graph can capture it.
+
+    q: [B, H, D], the token of sequence b at position context_lens[b] - 1 (its K/V already
+    written); block_tables: [B, NB] int64, padded with any valid block id; context_lens: [B]
+    int64, each >= 1. Returns [B, H, D]. Every row gathers its NB blocks (NB * block_size
+    keys) and masks the keys past its length: a copy that grows with the table width, which
+    is why the CUDA-graph runner buckets the width too.
+    """
+    b, nb = block_tables.shape
+    bs, kvh, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    flat = block_tables.reshape(-1)
+    k = k_cache.index_select(0, flat).view(b, nb * bs, kvh, d).transpose(1, 2)  # [B, KVH, L, D]
+    v = v_cache.index_select(0, flat).view(b, nb * bs, kvh, d).transpose(1, 2)
+    keys = torch.arange(nb * bs, device=q.device)
+    mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(b, 1, 1, nb * bs)
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+    )  # [B, H, 1, D]
+    return o.squeeze(2)
 
 
 def attention_reference(
@@ -128,7 +171,10 @@ def attention_reference(
     k = k.repeat_interleave(groups, dim=1)  # [ctx, H, D]
     v = v.repeat_interleave(groups, dim=1)
     scores = torch.einsum("thd,chd->htc", q.float(), k) * scale  # [H, T, ctx]
-    allowed = torch.arange(ctx).unsqueeze(0) <= torch.tensor(q_positions).unsqueeze(1)
+    dev = q.device
+    allowed = torch.arange(ctx, device=dev).unsqueeze(0) <= torch.tensor(
+        q_positions, device=dev
+    ).unsqueeze(1)
     scores = scores.masked_fill(~allowed.unsqueeze(0), float("-inf"))
     probs = scores.softmax(-1)
     return torch.einsum("htc,chd->thd", probs, v)

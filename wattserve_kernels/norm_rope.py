@@ -34,27 +34,32 @@ class RotaryTable:
         max_positions: int,
         attention_scaling: float = 1.0,
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
     ) -> None:
-        pos = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq.float())  # [P, D/2]
+        """device: where the table lives; default inv_freq's device."""
+        dev = inv_freq.device if device is None else torch.device(device)
+        pos = torch.arange(max_positions, dtype=torch.float32, device=dev)
+        freqs = torch.outer(pos, inv_freq.to(dev).float())  # [P, D/2]
         self.cos = (freqs.cos() * attention_scaling).to(dtype)  # [P, D/2]
         self.sin = (freqs.sin() * attention_scaling).to(dtype)
         self.max_positions = max_positions
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] int64 -> (cos, sin), each [T, 1, D/2] ready to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        cos = self.cos.index_select(0, positions).unsqueeze(1)
+        return cos, self.sin.index_select(0, positions).unsqueeze(1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, D] with the rotate-half convention; cos/sin: [T, 1, D/2]."""
-    half = x.shape[-1] // 2
-    x1 = x[..., :half]
-    x2 = x[..., half:]
+    x1, x2 = x.chunk(2, dim=-1)
     out = torch.empty_like(x)
+    out1, out2 = out.chunk(2, dim=-1)
     # out1 = x1*cos - x2*sin ; out2 = x2*cos + x1*sin, written in place to skip a cat.
-    torch.addcmul(x1 * cos, x2, sin, value=-1.0, out=out[..., :half])
-    torch.addcmul(x2 * cos, x1, sin, out=out[..., half:])
+    # (chunk, not x[..., :half]: Python indexing of a CUDA tensor needs the CUDA library,
+    # which a fake-CUDA trace on a CPU-only torch does not have.)
+    torch.addcmul(x1 * cos, x2, sin, value=-1.0, out=out1)
+    torch.addcmul(x2 * cos, x1, sin, out=out2)
     return out
 
 

@@ -148,7 +148,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.detach().float()
     amax = w.abs().amax(dim=1)  # [N]
     scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)).to(torch.bfloat16)
-    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    q = torch.round(w / scales.float().unsqueeze(1)).clamp(-127, 127).to(torch.int8)
     return q, scales
 
 
@@ -176,9 +176,7 @@ def quantize_int4(
         raise ValueError(f"int4: in-features {k} not a multiple of group size {group_size}")
     w = weight.detach().float().reshape(n, k // group_size, group_size)  # [N, K/G, G]
     # Row blocks keep the candidates' temporaries in cache (several times faster).
-    parts = [
-        _quantize_int4_groups(w[i : i + _INT4_ROW_BLOCK]) for i in range(0, n, _INT4_ROW_BLOCK)
-    ]
+    parts = [_quantize_int4_groups(rows) for rows in w.split(_INT4_ROW_BLOCK)]
     q = torch.cat([p[0] for p in parts]).reshape(n, k)
     return q, torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
 
@@ -195,7 +193,7 @@ def _quantize_int4_groups(
         scale = torch.where(span > 0, span / steps, torch.ones_like(span))
         for base in (lo, hi - 15 * scale):  # value of code 0: grid from the min or the max
             scales, zeros, q = _int4_grid(w, scale, base)
-            err = (q - 8.0) * scales.float()[..., None] + zeros.float()[..., None] - w
+            err = (q - 8.0) * scales.float().unsqueeze(-1) + zeros.float().unsqueeze(-1) - w
             err = err.square().sum(dim=-1)  # [R, K/G]
             if best_err is None:
                 best_err, best_scales, best_zeros = err, scales, zeros
@@ -215,7 +213,7 @@ def _int4_grid(
     scales = scale.to(torch.bfloat16)
     zeros = (base + 8.0 * scale).to(torch.bfloat16)
     code0 = zeros.float() - 8.0 * scales.float()  # value of code 0 after rounding
-    q = torch.round((w - code0[..., None]) / scales.float()[..., None]).clamp(0, 15)
+    q = torch.round((w - code0.unsqueeze(-1)) / scales.float().unsqueeze(-1)).clamp(0, 15)
     return scales, zeros, q
 
 
@@ -233,7 +231,8 @@ def pack_int4_pairs(q: torch.Tensor) -> torch.Tensor:
 
     The input layout torch's CUDA `_convert_weight_to_int4pack` expects.
     """
-    return (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+    pairs = q.view(q.shape[0], -1, 2)  # (even, odd) columns; unflatten, not q[:, ::2]
+    return (pairs.select(2, 0) << 4 | pairs.select(2, 1)).to(torch.uint8)
 
 
 def unpack_int4_pairs(packed: torch.Tensor) -> torch.Tensor:
@@ -280,7 +279,7 @@ class _WeightOnlyLinear:
             xb = F.pad(xb, (0, self.padded_in - self.in_features))  # [T, padded_in]
         y = self._matmul(xb.contiguous())  # [T, padded_out] bf16
         if self.padded_out != self.out_features:
-            y = y[:, : self.out_features].contiguous()
+            y = y.narrow(1, 0, self.out_features).contiguous()
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)

@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
+from daemon.engine.cuda_graphs import DecodeGraphs
 from daemon.engine.detokenizer import IncrementalDetokenizer
 from daemon.engine.grammar import Grammars, GrammarState, apply_masks
 from daemon.engine.kv_cache import KVCacheManager, KVCacheSpec, bytes_per_block
 from daemon.engine.loader import LoadedModel
 from daemon.engine.logits import RowHistory, logprobs_of, process
-from daemon.engine.model import LlamaModel, StepInputs, model_shape
+from daemon.engine.model import LlamaModel, StepLayout, model_shape
 from daemon.engine.request import InvalidRequestError, RequestOutput, SamplingParams, TokenLogprob
 from daemon.engine.sampler import make_generator, sample
 from daemon.engine.scheduler import EngineLimits, SchedulePlan, Scheduler, Sequence
@@ -46,7 +47,8 @@ ENGINE_FAULT_MESSAGE = "the engine failed; the server is restarting"
 class EngineOptions:
     block_size_tokens: int = 16
     kv_cache_bytes: int | None = None
-    kv_cache_memory_fraction: float = 0.10
+    kv_cache_memory_fraction: float = 0.10  # CPU: of available host memory
+    gpu_memory_utilization: float = 0.90  # CUDA: of the GPU's memory, weights included
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
@@ -55,6 +57,7 @@ class EngineOptions:
     quantization_level: str | None = None  # None: the loaded dtype's level
     quant_prepare: str = "lazy"  # "lazy": build a level on first use; "start": all at start
     enable_prefix_caching: bool = True  # share the KV blocks of equal prompt prefixes
+    cuda_graphs: bool = True  # CUDA only: replay decode steps from captured graphs
 
     @classmethod
     def from_config(cls, engine_cfg) -> EngineOptions:
@@ -62,6 +65,7 @@ class EngineOptions:
             block_size_tokens=engine_cfg.block_size_tokens,
             kv_cache_bytes=engine_cfg.kv_cache_bytes,
             kv_cache_memory_fraction=engine_cfg.kv_cache_memory_fraction,
+            gpu_memory_utilization=engine_cfg.gpu_memory_utilization,
             max_num_seqs=engine_cfg.max_num_seqs,
             max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
             max_model_len=engine_cfg.max_model_len,
@@ -70,6 +74,7 @@ class EngineOptions:
             quantization_level=engine_cfg.quantization_level,
             quant_prepare=engine_cfg.quant_prepare,
             enable_prefix_caching=engine_cfg.enable_prefix_caching,
+            cuda_graphs=engine_cfg.cuda_graphs,
         )
 
 
@@ -128,28 +133,41 @@ class _Request:
 class Engine:
     """Continuous batching over a paged KV cache on one model."""
 
-    def __init__(self, loaded: LoadedModel, options: EngineOptions) -> None:
+    def __init__(
+        self, loaded: LoadedModel, options: EngineOptions, device: torch.device | str = "cpu"
+    ) -> None:
+        """device: where weights, the KV pool, step tensors and sampling live
+        (daemon.engine.placement resolves `[engine] device` to it)."""
         if options.threads:
             torch.set_num_threads(options.threads)
+        self.device = dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = self.device = torch.device("cuda", torch.cuda.current_device())
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         cfg = loaded.hf_model.config
         shape = model_shape(cfg)
-        dtype_bytes = torch.empty((), dtype=loaded.dtype).element_size()
         bpb = bytes_per_block(
             shape.num_layers,
             options.block_size_tokens,
             shape.num_kv_heads,
             shape.head_dim,
-            dtype_bytes,
+            loaded.dtype.itemsize,
         )
-        budget = options.kv_cache_bytes or int(
-            psutil.virtual_memory().available * options.kv_cache_memory_fraction
+        # CPU: a share of the host memory available before the weights are built (as
+        # before); CUDA: what the weights leave of gpu_memory_utilization, so after them.
+        budget = options.kv_cache_bytes or (
+            None if dev.type == "cuda" else _kv_budget_bytes(dev, options)
         )
+        self.model = LlamaModel(
+            loaded.hf_model, None, options.block_size_tokens, loaded.dtype, dev
+        )
+        budget = budget or _kv_budget_bytes(dev, options)
         num_blocks = budget // bpb
         if num_blocks < 1:
             raise ValueError(f"KV cache budget {budget} bytes holds no block of {bpb} bytes")
+        self.model.allocate_kv_cache(num_blocks)
         self.kv_spec = KVCacheSpec(num_blocks, options.block_size_tokens, bpb)
         limit = options.max_model_len or shape.max_position_embeddings
         limit = min(limit, shape.max_position_embeddings, self.kv_spec.capacity_tokens)
@@ -157,9 +175,6 @@ class Engine:
         if cfg.model_type == "mistral" and window:
             limit = min(limit, window)  # no sliding-window attention: stay inside the window
         self.max_model_len = limit
-        self.model = LlamaModel(
-            loaded.hf_model, num_blocks, options.block_size_tokens, loaded.dtype
-        )
         self.kv = KVCacheManager(
             num_blocks, options.block_size_tokens, options.enable_prefix_caching
         )
@@ -168,7 +183,7 @@ class Engine:
         self.eos_token_ids = _eos_ids(loaded)
         self.grammars = Grammars(self.tokenizer, shape.vocab_size, self.eos_token_ids)
         self._quant_allowed, self._quant_unavailable = _usable_levels(
-            options.quantization_levels, loaded.dtype
+            options.quantization_levels, loaded.dtype, dev
         )
         self._quant_prepare = options.quant_prepare
         start_level = options.quantization_level or self.model.full_precision_level
@@ -179,6 +194,9 @@ class Engine:
         self.model.use_level(start_level)
         self.kv.set_namespace(start_level)
         self._quant_target = start_level  # written by set_quant_level, read by the loop
+        self._graphs: DecodeGraphs | None = None
+        if dev.type == "cuda" and options.cuda_graphs:
+            self._graphs = DecodeGraphs(self.model, options.max_num_seqs, self.max_model_len)
         self._weight_bytes = self.model.weight_bytes()
         self._kv_bytes_per_token = bpb // options.block_size_tokens
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -197,8 +215,9 @@ class Engine:
         self.counters = EngineCounters()
         self.last_step: StepStats | None = None
         log.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB; max_model_len %d; "
+            "KV cache on %s: %d blocks x %d tokens = %d tokens, %.1f MiB; max_model_len %d; "
             "prefix caching %s; attention %s",
+            dev,
             num_blocks,
             options.block_size_tokens,
             self.kv_spec.capacity_tokens,
@@ -363,7 +382,7 @@ class Engine:
                 include_stop=params.include_stop_str_in_output,
                 skip_special_tokens=params.skip_special_tokens,
             ),
-            generator=make_generator(params.seed),
+            generator=make_generator(params.seed, self.device),
             arrival_s=time.monotonic(),
             grammar=None if params.guided is None else self.grammars.state(params.guided),
         )
@@ -425,16 +444,18 @@ class Engine:
         self._last_step_start_s = t0
         self._last_decode_only = all(c.num_tokens == 1 for c in plan.chunks)
         try:
-            inputs = self.model.prepare(
+            lay = self.model.layout(
                 plan.chunks,
                 {c.seq.seq_id: self.kv.table(c.seq.seq_id) for c in plan.chunks},
                 self._prompt_logits_wanted(plan),
             )
-            logits = self.model.forward(inputs)
-            reqs = [self._requests[c.seq.seq_id] for c in inputs.sampled_chunks]
+            logits = self._graphs.run(lay) if self._graphs is not None else None
+            if logits is None:  # prefill, mixed, or no graphs: eager
+                logits = self.model.forward(self.model.inputs_from(lay))
+            reqs = [self._requests[c.seq.seq_id] for c in lay.sampled_chunks]
             # Before the logits are read: on a GPU this overlaps the forward still running.
             masks = self.grammars.fill_masks([r.grammar for r in reqs])
-            self._gather_prompt_logprobs(inputs, logits[len(reqs) :])
+            self._gather_prompt_logprobs(lay, logits[len(reqs) :])
             params = [r.params for r in reqs]
             history = [RowHistory(r.seq.prompt_token_ids, r.seq.output_token_ids) for r in reqs]
             processed = process(logits[: len(reqs)], params, history, self.eos_token_ids)
@@ -475,12 +496,12 @@ class Engine:
                 wanted.append(c.seq.seq_id)
         return frozenset(wanted)
 
-    def _gather_prompt_logprobs(self, inputs: StepInputs, logits: torch.Tensor) -> None:
+    def _gather_prompt_logprobs(self, lay: StepLayout, logits: torch.Tensor) -> None:
         """logits: the rows prepare() added for prompt logprobs, chunk after chunk."""
         # A chunk recomputed after preemption finds its positions gathered already and is
         # not asked for (_prompt_logits_wanted); one that skips positions is not either.
         row = 0
-        for chunk, rows_n in inputs.prompt_logit_chunks:
+        for chunk, rows_n in lay.prompt_logit_chunks:
             req = self._requests[chunk.seq.seq_id]
             prompt = chunk.seq.prompt_token_ids
             if rows_n:
@@ -705,7 +726,7 @@ def _sampled_logprobs(
     ]
     out: list[TokenLogprob | None] = [None] * len(params)
     if rows:
-        idx = torch.tensor(rows, dtype=torch.long)
+        idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
         computed = logprobs_of(
             logits.index_select(0, idx),
             [tokens[i] for i in rows],  # type: ignore[misc]
@@ -728,14 +749,33 @@ def _merge(into: dict[str, RequestOutput], out: RequestOutput) -> None:
     acc.prompt_tokens, acc.completion_tokens = out.prompt_tokens, out.completion_tokens
 
 
+def _kv_budget_bytes(device: torch.device, options: EngineOptions) -> int:
+    """KV pool bytes when kv_cache_bytes is unset. CUDA: gpu_memory_utilization of the
+    GPU's memory less what is in use now (the weights, other processes), as vLLM sizes it;
+    CPU: kv_cache_memory_fraction of the host memory available now."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * options.gpu_memory_utilization) - (total - free)
+        log.info(
+            "%s: %.1f of %.1f GiB free; gpu_memory_utilization %.2f leaves %.1f GiB for KV",
+            device,
+            free / 2**30,
+            total / 2**30,
+            options.gpu_memory_utilization,
+            max(budget, 0) / 2**30,
+        )
+        return max(budget, 0)
+    return int(psutil.virtual_memory().available * options.kv_cache_memory_fraction)
+
+
 def _usable_levels(
-    configured: Iterable[str], loaded_dtype: torch.dtype
+    configured: Iterable[str], loaded_dtype: torch.dtype, device: torch.device
 ) -> tuple[tuple[str, ...], dict[str, str]]:
     """Split configured levels into those this engine can run and {level: why not}."""
     usable: list[str] = []
     unusable: dict[str, str] = {}
     for level in configured:
-        why = level_unavailable_reason(level, loaded_dtype, "cpu")
+        why = level_unavailable_reason(level, loaded_dtype, device)
         if why is None:
             usable.append(level)
         else:

@@ -92,7 +92,10 @@ class Grammars:
             return None
         import llguidance.torch
 
-        bitmask = torch.full((len(states), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        # The library writes host memory; apply_masks moves the mask to the logits' device.
+        bitmask = torch.full(
+            (len(states), (self.vocab_size + 31) // 32), -1, dtype=torch.int32, device="cpu"
+        )
         llguidance.torch.fill_next_token_bitmask_par(self._executor, rows, bitmask)
         return bitmask
 
@@ -146,9 +149,6 @@ class GrammarState:
         return bool(self.matcher.is_stopped())
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
 def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
     """logits: [N, V] float32; bitmask: [N, W] int32 (bit j of word w: token 32w + j may
     follow). Disallowed tokens become -inf; a new tensor (the input is left as it was)."""
@@ -156,7 +156,8 @@ def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Ten
         return logits
     n, vocab = logits.shape
     bitmask = bitmask.to(logits.device, non_blocking=True)
-    bits = (bitmask.unsqueeze(-1) >> _BITS.to(logits.device)) & 1  # [N, W, 32]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [N, W, 32]
     allowed = bits.reshape(n, -1)[:, :vocab].bool()
     if allowed.shape[1] < vocab:  # a model vocabulary padded past the tokenizer's
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))

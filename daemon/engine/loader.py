@@ -63,8 +63,11 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    if name in ("auto", "float32"):
+def resolve_dtype(name: str, device_type: str = "cpu") -> torch.dtype:
+    """"auto" is float32 on the CPU and bfloat16 on CUDA (the GPU's native matmul dtype)."""
+    if name == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    if name == "float32":
         return torch.float32
     if name == "bfloat16":
         return torch.bfloat16
@@ -140,10 +143,13 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     tmp.rename(out_dir)  # atomic: a crash mid-save never leaves a half cache entry
 
 
-def load_model(source: str, cache_dir: Path, dtype_name: str = "auto") -> LoadedModel:
-    """Load 'embedded', a .gguf path or a HF directory. Raises LoadError."""
+def load_model(
+    source: str, cache_dir: Path, dtype_name: str = "auto", device_type: str = "cpu"
+) -> LoadedModel:
+    """Load 'embedded', a .gguf path or a HF directory onto the host. Raises LoadError.
+    device_type: where the engine will run ("cpu", "cuda"); decides what dtype "auto" is."""
     _quiet_transformers()
-    dtype = resolve_dtype(dtype_name)
+    dtype = resolve_dtype(dtype_name, device_type)
     # Conversions a killed start left half-written (a GGUF takes ~15 s to dequantise).
     remove_leftovers(cache_dir / "converted", _CONVERSION_TMP)
     t0 = time.perf_counter()

@@ -51,16 +51,20 @@ def process(
         rows = [i for i in biased for _ in params[i].logit_bias]
         toks = [t for i in biased for t, _ in params[i].logit_bias]
         vals = [b for i in biased for _, b in params[i].logit_bias]
+        dev = logits.device
         logits.index_put_(
-            (torch.tensor(rows), torch.tensor(toks)), torch.tensor(vals), accumulate=True
+            (torch.tensor(rows, device=dev), torch.tensor(toks, device=dev)),
+            torch.tensor(vals, device=dev),
+            accumulate=True,
         )
     banned = [(i, ids) for i, ids in banned if ids]
     if banned:
         toks = [t for _, ids in banned for t in ids if t < vocab]
         rows = [i for i, ids in banned for t in ids if t < vocab]
-        logits[torch.tensor(rows, dtype=torch.long), torch.tensor(toks, dtype=torch.long)] = -float(
-            "inf"
-        )
+        dev = logits.device
+        rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+        toks_t = torch.tensor(toks, dtype=torch.long, device=dev)
+        logits[rows_t, toks_t] = -float("inf")
     return logits
 
 
@@ -69,15 +73,13 @@ def _min_tokens_ban(p: SamplingParams, eos_token_ids: frozenset[int]) -> tuple[i
     return tuple(dict.fromkeys(eos + p.stop_token_ids))
 
 
-def _counts(ids: list[Seq[int]], vocab: int) -> torch.Tensor:
+def _counts(ids: list[Seq[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """[R, V] float32 occurrence counts of each row's ids."""
     width = max((len(x) for x in ids), default=0)
-    # Pad with an extra column `vocab` that is dropped afterwards.
-    index = torch.full((len(ids), max(width, 1)), vocab, dtype=torch.long)
-    for r, x in enumerate(ids):
-        if x:
-            index[r, : len(x)] = torch.as_tensor(list(x), dtype=torch.long)
-    counts = torch.zeros(len(ids), vocab + 1)
+    # Pad with an extra column `vocab` that is dropped afterwards; one copy to the device.
+    padded = [list(x) + [vocab] * (max(width, 1) - len(x)) for x in ids]
+    index = torch.tensor(padded, dtype=torch.long, device=device)
+    counts = torch.zeros(len(ids), vocab + 1, device=device)
     counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
     return counts[:, :vocab]
 
@@ -89,18 +91,19 @@ def _apply_penalties(
     history: list[RowHistory],
     vocab: int,
 ) -> None:
-    idx = torch.tensor(rows, dtype=torch.long)
+    dev = logits.device
+    idx = torch.tensor(rows, dtype=torch.long, device=dev)
     sub = logits.index_select(0, idx)
-    out_counts = _counts([history[i].output_token_ids for i in rows], vocab)
-    rep = torch.tensor([params[i].repetition_penalty for i in rows]).unsqueeze(1)
+    out_counts = _counts([history[i].output_token_ids for i in rows], vocab, dev)
+    rep = torch.tensor([params[i].repetition_penalty for i in rows], device=dev).unsqueeze(1)
     if bool((rep != 1.0).any()):
         seen = out_counts > 0
-        seen |= _counts([history[i].prompt_token_ids for i in rows], vocab) > 0
+        seen |= _counts([history[i].prompt_token_ids for i in rows], vocab, dev) > 0
         # CTRL's rule, as vLLM and transformers apply it: shrink toward lower probability.
         penalized = torch.where(sub > 0, sub / rep, sub * rep)
         sub = torch.where(seen, penalized, sub)
-    freq = torch.tensor([params[i].frequency_penalty for i in rows]).unsqueeze(1)
-    pres = torch.tensor([params[i].presence_penalty for i in rows]).unsqueeze(1)
+    freq = torch.tensor([params[i].frequency_penalty for i in rows], device=dev).unsqueeze(1)
+    pres = torch.tensor([params[i].presence_penalty for i in rows], device=dev).unsqueeze(1)
     sub = sub - freq * out_counts - pres * (out_counts > 0).float()
     logits.index_copy_(0, idx, sub)
 
@@ -111,7 +114,8 @@ def logprobs_of(logits: torch.Tensor, token_ids: list[int], tops: list[int]) -> 
     if not token_ids:
         return []
     lp = torch.log_softmax(logits, dim=-1)
-    chosen = lp.gather(1, torch.tensor(token_ids, dtype=torch.long).unsqueeze(1)).squeeze(1)
+    index = torch.tensor(token_ids, dtype=torch.long, device=logits.device).unsqueeze(1)
+    chosen = lp.gather(1, index).squeeze(1)
     k = max(tops)
     if k > 0:
         top_vals, top_ids = torch.topk(lp, min(k, lp.shape[1]), dim=-1)

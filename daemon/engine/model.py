@@ -8,6 +8,12 @@ kv_cache.py) nor which tokens run (scheduler.py). The matmul weights come in lev
 (wattserve_kernels/quant.py): the loaded one is built at start, others from the transformers
 model's weights on first use; forward() reads the active level once per call, so a
 switch between two steps leaves the KV cache and every running sequence as they are.
+Everything lives on one torch device (the engine's): weights, the KV pool, the rotary
+table and each step's tensors, which prepare() builds on the host and moves in one copy
+(from pinned memory, non-blocking, on CUDA). forward() itself never reads a value back to
+the host: on the CPU it calls the C++ attention kernel, on other devices a static-shape
+decode attention or, for prefill and mixed steps, paged_attention_torch fed with the
+chunk bounds the host already knows.
 """
 
 from __future__ import annotations
@@ -19,7 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from daemon.engine.scheduler import ScheduledChunk
-from wattserve_kernels.attention import paged_attention, write_kv
+from wattserve_kernels.attention import (
+    paged_attention,
+    paged_attention_torch,
+    paged_decode_attention,
+    write_kv,
+)
 from wattserve_kernels.extension import load_cpu_kernels
 from wattserve_kernels.linear import Linear
 from wattserve_kernels.norm_rope import RotaryTable, apply_rope, rms_norm
@@ -82,6 +93,42 @@ class StepInputs:
     sampled_chunks: list[ScheduledChunk]  # the N chunks whose logits those are, in order
     # Then M rows for prompt logprobs: (chunk, rows) for each chunk asked for in prepare().
     prompt_logit_chunks: list[tuple[ScheduledChunk, int]] = field(default_factory=list)
+    # The same bounds as host lists, so that attention off the CPU needs no read-back.
+    host_query_start: list[int] | None = None
+    host_context_lens: list[int] | None = None
+
+    @property
+    def decode_only(self) -> bool:
+        """Every chunk is one token (a decode step)."""
+        return self.input_ids.shape[0] == self.context_lens.shape[0]
+
+
+@dataclass
+class StepLayout:
+    """One step's inputs as host lists (the fields of StepInputs, same meaning)."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    query_start: list[int] = field(default_factory=lambda: [0])
+    context_lens: list[int] = field(default_factory=list)
+    logits_indices: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # rows of equal width
+    sampled_chunks: list[ScheduledChunk] = field(default_factory=list)
+    prompt_logit_chunks: list[tuple[ScheduledChunk, int]] = field(default_factory=list)
+
+    def parts(self) -> tuple[list[int], ...]:
+        """The int64 fields in the order of one flat device buffer."""
+        table = [b for row in self.block_tables for b in row]
+        return (
+            self.input_ids,
+            self.positions,
+            self.slots,
+            self.query_start,
+            self.context_lens,
+            self.logits_indices,
+            table,
+        )
 
 
 def model_shape(hf_config) -> ModelShape:
@@ -102,12 +149,22 @@ def model_shape(hf_config) -> ModelShape:
 class LlamaModel:
     """The forward pass and its KV tensors; weights taken from a transformers model."""
 
-    def __init__(self, hf_model, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        hf_model,
+        num_blocks: int | None,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        """num_blocks None: no KV pool yet (allocate_kv_cache() once the weights sit on
+        the device and its free memory is known)."""
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {cfg.model_type!r}")
         self.shape = s = model_shape(cfg)
         self.dtype = dtype
+        self.device = dev = torch.device(device)
         self.block_size = block_size
         self.scale = s.head_dim**-0.5
         inner = hf_model.model
@@ -116,40 +173,67 @@ class LlamaModel:
         self._levels: dict[str, LevelWeights] = {}
         self._prepare_lock = threading.Lock()
         with torch.no_grad():
-            self.embed = inner.embed_tokens.weight.detach().to(dtype).contiguous()
-            lm_head = hf_model.get_output_embeddings().weight.detach()
-            same = lm_head.data_ptr() == inner.embed_tokens.weight.data_ptr()
+            self.embed = inner.embed_tokens.weight.detach().to(dev, dtype).contiguous()
+            head_param = hf_model.get_output_embeddings().weight
+            same = head_param.data_ptr() == inner.embed_tokens.weight.data_ptr()
+            lm_head = head_param.detach()
             self.tied_embeddings = same
-            head = Linear(self.embed if same else lm_head.to(dtype))
-            self.final_norm = inner.norm.weight.detach().to(dtype)
-            layers = [self._take_layer(layer, dtype) for layer in inner.layers]
+            head = Linear(self.embed if same else lm_head.to(dev, dtype))
+            self.final_norm = inner.norm.weight.detach().to(dev, dtype)
+            layers = [self._take_layer(layer, dtype, dev) for layer in inner.layers]
         base = LevelWeights(self.full_precision_level, layers, head, _linear_bytes(layers, head))
         self._levels[base.level] = base
         self._active = base
         rot = inner.rotary_emb
         self.rope = RotaryTable(
-            rot.inv_freq, s.max_position_embeddings, float(rot.attention_scaling), dtype
+            rot.inv_freq.to(dev),
+            s.max_position_embeddings,
+            float(rot.attention_scaling),
+            dtype,
+            device=dev,
         )
-        cache_shape = (num_blocks, block_size, s.num_kv_heads, s.head_dim)
-        self.k_cache = [torch.zeros(cache_shape, dtype=dtype) for _ in range(s.num_layers)]
-        self.v_cache = [torch.zeros(cache_shape, dtype=dtype) for _ in range(s.num_layers)]
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+        self.num_blocks = 0
+        self.pad_block = 0
+        if num_blocks is not None:
+            self.allocate_kv_cache(num_blocks)
         # Built (first start on this machine) or loaded now, not in the first request's step.
-        self.attention_backend = "cpp" if load_cpu_kernels() else "torch"
+        on_cpu = dev.type == "cpu"
+        self.attention_backend = "cpp" if on_cpu and load_cpu_kernels() else "torch"
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """The paged K/V pool: num_blocks blocks for the KV manager plus one more, block
+        `pad_block`, that it never hands out: padded rows of a bucketed decode batch
+        write their K/V there."""
+        s = self.shape
+        self.num_blocks = num_blocks
+        self.pad_block = num_blocks
+        cache_shape = (num_blocks + 1, self.block_size, s.num_kv_heads, s.head_dim)
+
+        def pool() -> list[torch.Tensor]:
+            return [
+                torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
+                for _ in range(s.num_layers)
+            ]
+
+        self.k_cache, self.v_cache = pool(), pool()
 
     @staticmethod
-    def _take_layer(layer, dtype: torch.dtype) -> LayerWeights:
+    def _take_layer(layer, dtype: torch.dtype, dev: torch.device) -> LayerWeights:
         att, mlp = layer.self_attn, layer.mlp
         qkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight], dim=0)
         bias = _qkv_bias(att)
         if bias is not None:
-            bias = bias.to(dtype)
+            bias = bias.to(dev, dtype)
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0)
         return LayerWeights(
-            input_norm=layer.input_layernorm.weight.detach().to(dtype),
-            qkv=Linear(qkv.detach().to(dtype), bias),
-            o=Linear(att.o_proj.weight.detach().to(dtype)),
-            post_norm=layer.post_attention_layernorm.weight.detach().to(dtype),
-            gate_up=Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0).to(dtype)),
-            down=Linear(mlp.down_proj.weight.detach().to(dtype)),
+            input_norm=layer.input_layernorm.weight.detach().to(dev, dtype),
+            qkv=Linear(qkv.detach().to(dev, dtype), bias),
+            o=Linear(att.o_proj.weight.detach().to(dev, dtype)),
+            post_norm=layer.post_attention_layernorm.weight.detach().to(dev, dtype),
+            gate_up=Linear(gate_up.detach().to(dev, dtype)),
+            down=Linear(mlp.down_proj.weight.detach().to(dev, dtype)),
         )
 
     # ---- quantization levels ---------------------------------------------------------
@@ -179,7 +263,7 @@ class LlamaModel:
         with self._prepare_lock:
             if level in self._levels:
                 return self._levels[level]
-            hf, dtype = self._hf_model, self.dtype
+            hf, dtype, dev = self._hf_model, self.dtype, self.device
             with torch.no_grad():
                 layers = []
                 for base_lw, layer in zip(
@@ -188,17 +272,21 @@ class LlamaModel:
                     att, mlp = layer.self_attn, layer.mlp
                     qkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
                     gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+                    bias = _qkv_bias(att)
+                    # Quantized on the device: the CUDA int4 packing is CUDA's own layout.
                     layers.append(
                         LayerWeights(
                             input_norm=base_lw.input_norm,
-                            qkv=make_linear(qkv, _qkv_bias(att), spec, dtype),
-                            o=make_linear(att.o_proj.weight, None, spec, dtype),
+                            qkv=make_linear(
+                                qkv.to(dev), None if bias is None else bias.to(dev), spec, dtype
+                            ),
+                            o=make_linear(att.o_proj.weight.to(dev), None, spec, dtype),
                             post_norm=base_lw.post_norm,
-                            gate_up=make_linear(gate_up, None, spec, dtype),
-                            down=make_linear(mlp.down_proj.weight, None, spec, dtype),
+                            gate_up=make_linear(gate_up.to(dev), None, spec, dtype),
+                            down=make_linear(mlp.down_proj.weight.to(dev), None, spec, dtype),
                         )
                     )
-                head_w = hf.get_output_embeddings().weight
+                head_w = hf.get_output_embeddings().weight.to(dev)
                 head = make_linear(head_w, None, head_level(spec), dtype)
             weights = LevelWeights(level, layers, head, _linear_bytes(layers, head))
             self._levels[level] = weights  # one dict store: visible whole or not at all
@@ -240,20 +328,22 @@ class LlamaModel:
         tables: dict[str, list[int]],
         prompt_logits: frozenset[str] = frozenset(),
     ) -> StepInputs:
-        """Lay out a plan's chunks as flat tensors; block ids come from the KV manager.
+        """Lay out a plan's chunks as flat tensors; block ids come from the KV manager."""
+        return self.inputs_from(self.layout(chunks, tables, prompt_logits))
+
+    def layout(
+        self,
+        chunks: list[ScheduledChunk],
+        tables: dict[str, list[int]],
+        prompt_logits: frozenset[str] = frozenset(),
+    ) -> StepLayout:
+        """A plan's chunks as host lists, chunk after chunk (what prepare() moves over).
         Sequences in `prompt_logits` also get logits for each prompt position whose next
         token is a prompt token (after the sampled rows)."""
         bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        context_lens: list[int] = []
-        rows: list[list[int]] = []
-        logit_rows: list[int] = []
-        sampled: list[ScheduledChunk] = []
+        lay = StepLayout()
+        ids, pos, slots = lay.input_ids, lay.positions, lay.slots
         extra_rows: list[int] = []
-        extra: list[tuple[ScheduledChunk, int]] = []
         for c in chunks:
             table = tables[c.seq.seq_id]
             end = c.start + c.num_tokens
@@ -261,29 +351,59 @@ class LlamaModel:
             positions = range(c.start, end)
             pos.extend(positions)
             slots.extend(table[p // bs] * bs + p % bs for p in positions)
-            query_start.append(len(ids))
-            context_lens.append(end)
-            rows.append(table[: -(-end // bs)])
+            lay.query_start.append(len(ids))
+            lay.context_lens.append(end)
+            lay.block_tables.append(table[: -(-end // bs)])
             if c.samples:
-                logit_rows.append(len(ids) - 1)
-                sampled.append(c)
+                lay.logits_indices.append(len(ids) - 1)
+                lay.sampled_chunks.append(c)
             if c.seq.seq_id in prompt_logits:
                 rows_n = max(0, min(end, len(c.seq.prompt_token_ids) - 1) - c.start)
                 first = len(ids) - c.num_tokens
                 extra_rows.extend(range(first, first + rows_n))
-                extra.append((c, rows_n))
-        width = max((len(r) for r in rows), default=0)
+                lay.prompt_logit_chunks.append((c, rows_n))
+        lay.logits_indices.extend(extra_rows)
+        width = max((len(r) for r in lay.block_tables), default=0)
+        lay.block_tables = [_pad(r, width) for r in lay.block_tables]
+        return lay
+
+    def inputs_from(self, lay: StepLayout, into: torch.Tensor | None = None) -> StepInputs:
+        """StepInputs over one int64 device tensor holding `lay`, moved in one copy.
+
+        into: a device buffer of exactly lay's size to copy into (a CUDA graph's static
+        inputs) instead of a new tensor.
+        """
+        parts = lay.parts()
+        flat = self.to_device([v for part in parts for v in part], into)
+        views = flat.split([len(part) for part in parts])
+        rows = len(lay.block_tables)
         return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=torch.tensor(pos, dtype=torch.long),
-            slots=torch.tensor(slots, dtype=torch.long),
-            block_tables=torch.tensor([_pad(r, width) for r in rows], dtype=torch.long),
-            query_start=torch.tensor(query_start, dtype=torch.long),
-            context_lens=torch.tensor(context_lens, dtype=torch.long),
-            logits_indices=torch.tensor(logit_rows + extra_rows, dtype=torch.long),
-            sampled_chunks=sampled,
-            prompt_logit_chunks=extra,
+            input_ids=views[0],
+            positions=views[1],
+            slots=views[2],
+            block_tables=views[6].view(rows, len(parts[6]) // rows if rows else 0),
+            query_start=views[3],
+            context_lens=views[4],
+            logits_indices=views[5],
+            sampled_chunks=lay.sampled_chunks,
+            host_query_start=lay.query_start,
+            host_context_lens=lay.context_lens,
+            prompt_logit_chunks=lay.prompt_logit_chunks,
         )
+
+    def to_device(self, values: list[int], into: torch.Tensor | None = None) -> torch.Tensor:
+        """int64 [len(values)] on the model's device in one host-to-device copy: through
+        pinned memory and non-blocking on CUDA (the copy is ordered on the stream before
+        the step's kernels), built in place on the CPU. into: copy into this buffer."""
+        if self.device.type == "cpu" and into is None:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+        host = torch.tensor(values, dtype=torch.long, device="cpu")
+        if self.device.type != "cpu":
+            staging = torch.empty(len(values), dtype=torch.long, device="cpu", pin_memory=True)
+            host = staging.copy_(host)
+        if into is not None:
+            return into.copy_(host, non_blocking=True)
+        return host.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def forward(self, inp: StepInputs) -> torch.Tensor:
@@ -300,20 +420,44 @@ class LlamaModel:
             x = rms_norm(hidden, lw.input_norm, s.rms_norm_eps)
             qkv = lw.qkv(x)  # [T, (H + 2 KVH) D]
             # q and k sit side by side in qkv: rotate them in one call.
-            qk = apply_rope(qkv[:, : h_dim + kv_dim].view(t, heads_qk, s.head_dim), cos, sin)
-            q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
-            v = qkv[:, h_dim + kv_dim :].view(t, s.num_kv_heads, s.head_dim)
+            # split/narrow rather than Python slicing: see apply_rope
+            qk_flat, v_flat = qkv.split([h_dim + kv_dim, kv_dim], dim=1)
+            qk = apply_rope(qk_flat.view(t, heads_qk, s.head_dim), cos, sin)
+            q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
+            v = v_flat.view(t, s.num_kv_heads, s.head_dim)
             write_kv(self.k_cache[i], self.v_cache[i], inp.slots, k, v)
             attn = self._attention(i, q, inp)  # [T, H, D]
             hidden = hidden + lw.o(attn.reshape(t, h_dim))
             x = rms_norm(hidden, lw.post_norm, s.rms_norm_eps)
             gate_up = lw.gate_up(x)  # [T, 2 * inter]
-            act = F.silu(gate_up[:, : s.intermediate_size]) * gate_up[:, s.intermediate_size :]
+            gate, up = gate_up.chunk(2, dim=1)
+            act = F.silu(gate) * up
             hidden = hidden + lw.down(act)
         last = rms_norm(hidden.index_select(0, inp.logits_indices), self.final_norm, s.rms_norm_eps)
         return active.lm_head(last).float()
 
     def _attention(self, layer: int, q: torch.Tensor, inp: StepInputs) -> torch.Tensor:
+        if self.attention_backend != "cpp":
+            if inp.decode_only:  # static shapes: no read-back, capturable in a CUDA graph
+                return paged_decode_attention(
+                    q,
+                    self.k_cache[layer],
+                    self.v_cache[layer],
+                    inp.block_tables,
+                    inp.context_lens,
+                    self.scale,
+                )
+            return paged_attention_torch(
+                q,
+                self.k_cache[layer],
+                self.v_cache[layer],
+                inp.block_tables,
+                inp.query_start,
+                inp.context_lens,
+                self.scale,
+                host_query_start=inp.host_query_start,
+                host_context_lens=inp.host_context_lens,
+            )
         return paged_attention(
             q.contiguous(),
             self.k_cache[layer],

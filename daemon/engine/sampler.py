@@ -13,8 +13,9 @@ import torch
 from daemon.engine.request import SamplingParams
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    g = torch.Generator()
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on the device the logits live on (multinomial needs them together)."""
+    g = torch.Generator(device=device)
     if seed is None:
         g.seed()
     else:
@@ -48,19 +49,22 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator],
 ) -> list[int | None]:
-    """logits: [N, V] float32; one SamplingParams and generator per row."""
-    finite = (
-        (~torch.isnan(logits).any(dim=-1))
-        & (~torch.isposinf(logits).any(dim=-1))
-        & torch.isfinite(logits).any(dim=-1)
-    ).tolist()
-    greedy_ids = logits.argmax(dim=-1).tolist()
+    """logits: [N, V] float32; one SamplingParams and generator per row.
+
+    A row fails only on NaN, +inf or nothing finite (a banned or grammar-masked token is a
+    legitimate -inf). Greedy rows cost one device-to-host read for the whole batch
+    (argmax and the check travel together); each non-greedy row reads its own choice back.
+    """
+    # A row's maximum is NaN if any logit is, +inf if any is, -inf if none is finite.
+    finite = torch.isfinite(logits.amax(dim=-1))
+    # -1 marks a row that fails; one read-back for the batch
+    greedy_ids = torch.where(finite, logits.argmax(dim=-1), -1).cpu().tolist()
     out: list[int | None] = []
-    for row, (p, ok) in enumerate(zip(params, finite, strict=True)):
-        if not ok:
+    for row, (p, greedy_id) in enumerate(zip(params, greedy_ids, strict=True)):
+        if greedy_id < 0:
             out.append(None)
         elif p.greedy:
-            out.append(greedy_ids[row])
+            out.append(greedy_id)
         else:
             out.append(_sample_row(logits[row], p, generators[row]))
     return out

@@ -16,6 +16,8 @@ from daemon.engine.loader import load_model
 from daemon.engine.request import InvalidRequestError, RequestOutput, SamplingParams
 from daemon.engine.scheduler import DECODE_INTERVAL_MAX_MS
 
+DEVICE = torch.device("cpu")  # the engine is always given its device explicitly
+
 NEW_TOKENS = 16
 # EOS stays on: HF's min_new_tokens would mask EOS out of the argmax, ignore_eos does not.
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
@@ -82,6 +84,7 @@ def test_batched_greedy_matches_hf_generate(arch, loaded_models, references):
         EngineOptions(
             kv_cache_bytes=256 * block_bytes(lm), max_num_seqs=64, max_num_batched_tokens=2048
         ),
+        device=DEVICE,
     )
     outs = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == expected
@@ -101,6 +104,7 @@ def test_chunked_prefill_and_preemption_keep_outputs_identical(arch, loaded_mode
         EngineOptions(
             kv_cache_bytes=10 * block_bytes(lm), max_num_seqs=8, max_num_batched_tokens=16
         ),
+        device=DEVICE,
     )
     plans = recording(engine)
     outs = engine.generate(prompts, GREEDY)
@@ -115,7 +119,7 @@ def test_chunked_prefill_and_preemption_keep_outputs_identical(arch, loaded_mode
 def test_runtime_cap_changes_lose_nothing_and_change_nothing(loaded_models, references):
     lm = loaded_models["llama"]
     prompts, expected = references["llama"]
-    engine = Engine(lm, EngineOptions(kv_cache_bytes=256 * block_bytes(lm)))
+    engine = Engine(lm, EngineOptions(kv_cache_bytes=256 * block_bytes(lm)), device=DEVICE)
     caps = [(1, 8), (5, 64), (2, 3), (16, 512), (3, 7)]
     seen_running = []
 
@@ -152,7 +156,9 @@ def test_runtime_cap_changes_lose_nothing_and_change_nothing(loaded_models, refe
 
 
 def test_abort_frees_blocks_within_one_step(tiny_llama):
-    engine = Engine(tiny_llama, EngineOptions(kv_cache_bytes=64 * block_bytes(tiny_llama)))
+    engine = Engine(
+        tiny_llama, EngineOptions(kv_cache_bytes=64 * block_bytes(tiny_llama)), device=DEVICE
+    )
     first = threading.Event()
     finished = threading.Event()
     final: list[RequestOutput] = []
@@ -181,7 +187,9 @@ def test_abort_frees_blocks_within_one_step(tiny_llama):
 
 
 def test_nan_in_one_request_fails_it_alone(tiny_llama):
-    engine = Engine(tiny_llama, EngineOptions(kv_cache_bytes=64 * block_bytes(tiny_llama)))
+    engine = Engine(
+        tiny_llama, EngineOptions(kv_cache_bytes=64 * block_bytes(tiny_llama)), device=DEVICE
+    )
     prompts = prompts_for(len(tiny_llama.tokenizer), n=6, seed=3)
     expected = hf_greedy(tiny_llama.hf_model, prompts)
     victim = prompts[2]
@@ -204,7 +212,9 @@ def test_nan_in_one_request_fails_it_alone(tiny_llama):
 
 def test_bad_input_is_rejected_by_name_and_others_keep_going(tiny_llama):
     engine = Engine(
-        tiny_llama, EngineOptions(kv_cache_bytes=16 * block_bytes(tiny_llama), max_model_len=128)
+        tiny_llama,
+        EngineOptions(kv_cache_bytes=16 * block_bytes(tiny_llama), max_model_len=128),
+        device=DEVICE,
     )
     bad = [
         ("", SamplingParams(), "prompt", None),
@@ -226,7 +236,9 @@ def test_bad_input_is_rejected_by_name_and_others_keep_going(tiny_llama):
 
 
 def test_stop_conditions(tiny_llama):
-    engine = Engine(tiny_llama, EngineOptions(kv_cache_bytes=64 * block_bytes(tiny_llama)))
+    engine = Engine(
+        tiny_llama, EngineOptions(kv_cache_bytes=64 * block_bytes(tiny_llama)), device=DEVICE
+    )
     prompt = [7, 8, 9, 10]
     full = engine.generate(
         [prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -256,7 +268,9 @@ def test_stop_conditions(tiny_llama):
 
 
 def test_seeded_sampling_is_reproducible(tiny_llama):
-    engine = Engine(tiny_llama, EngineOptions(kv_cache_bytes=64 * block_bytes(tiny_llama)))
+    engine = Engine(
+        tiny_llama, EngineOptions(kv_cache_bytes=64 * block_bytes(tiny_llama)), device=DEVICE
+    )
     p = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=42, ignore_eos=True)
     a = engine.generate([[5, 6, 7]], p)[0].token_ids
     b = engine.generate([[5, 6, 7]], p)[0].token_ids
@@ -271,7 +285,9 @@ def test_decode_pacing_holds_decode_only_steps_until_an_arrival(tiny_llama, monk
     # slowly this test runs; only an arrival or turning pacing off ends the wait.
     frozen_s = time.monotonic()
     monkeypatch.setattr(engine_module, "time", SimpleNamespace(monotonic=lambda: frozen_s))
-    engine = Engine(tiny_llama, EngineOptions(kv_cache_bytes=64 * block_bytes(tiny_llama)))
+    engine = Engine(
+        tiny_llama, EngineOptions(kv_cache_bytes=64 * block_bytes(tiny_llama)), device=DEVICE
+    )
     engine.set_limits(decode_interval_ms=DECODE_INTERVAL_MAX_MS)
     outs: list[RequestOutput] = []
     params = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -299,7 +315,7 @@ def test_decode_pacing_holds_decode_only_steps_until_an_arrival(tiny_llama, monk
 def test_decode_pacing_changes_no_output(loaded_models, references):
     lm = loaded_models["llama"]
     prompts, expected = references["llama"]
-    engine = Engine(lm, EngineOptions(kv_cache_bytes=256 * block_bytes(lm)))
+    engine = Engine(lm, EngineOptions(kv_cache_bytes=256 * block_bytes(lm)), device=DEVICE)
     engine.set_limits(decode_interval_ms=2.0)
     outs = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == expected
@@ -307,7 +323,9 @@ def test_decode_pacing_changes_no_output(loaded_models, references):
 
 
 def test_decode_interval_must_be_a_finite_number_at_least_zero(tiny_llama):
-    engine = Engine(tiny_llama, EngineOptions(kv_cache_bytes=16 * block_bytes(tiny_llama)))
+    engine = Engine(
+        tiny_llama, EngineOptions(kv_cache_bytes=16 * block_bytes(tiny_llama)), device=DEVICE
+    )
     for bad in (-1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="decode_interval_ms"):
             engine.set_limits(decode_interval_ms=bad)

@@ -10,6 +10,8 @@ from daemon.engine.engine import Engine, EngineOptions
 from daemon.engine.request import RequestOutput, SamplingParams
 from tests.integration.test_engine import block_bytes
 
+DEVICE = "cpu"  # the engine is always given its device explicitly
+
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
@@ -32,6 +34,7 @@ def engine(loaded, caching: bool, blocks: int = 128, **options) -> Engine:
         EngineOptions(
             kv_cache_bytes=blocks * block_bytes(loaded), enable_prefix_caching=caching, **options
         ),
+        device=DEVICE,
     )
 
 

@@ -17,6 +17,8 @@ from daemon.engine.request import RequestOutput, SamplingParams
 from tests.integration.test_engine import block_bytes, prompts_for
 from wattserve_kernels.quant import QuantLevelError
 
+DEVICE = torch.device("cpu")  # the engine is always given its device explicitly
+
 QUANT_LEVELS = ("int8", "int4", "int4-g128")
 ALL_LEVELS = ("fp32", "bf16") + QUANT_LEVELS
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -30,7 +32,9 @@ def tiny_qwen2(tiny_dirs, cache_dir):
 
 def make_engine(loaded, blocks: int = 64, **options) -> Engine:
     options.setdefault("quantization_levels", ALL_LEVELS)
-    return Engine(loaded, EngineOptions(kv_cache_bytes=blocks * block_bytes(loaded), **options))
+    return Engine(
+        loaded, EngineOptions(kv_cache_bytes=blocks * block_bytes(loaded), **options), device=DEVICE
+    )
 
 
 def dequantized_hf(hf_model, weights):

@@ -98,6 +98,45 @@ def test_systemd_analyze_verify_is_clean(tmp_path, control) -> None:
 
 
 @needs_analyze
+@pytest.mark.parametrize("instance", ["0", "GPU-5f2c0c1e-8a3b-4c7d-9e10-0123456789ab"])
+def test_systemd_analyze_verify_is_clean_for_a_gpu_instance(tmp_path, instance) -> None:
+    root = analyzable_root(tmp_path, control=False)
+    (root / f"etc/wattserve/gpu-{instance}.env").write_text("WATTSERVE_SERVER__PORT=8001\n")
+    r = analyze("verify", f"--root={root}", f"wattserve@{instance}.service")
+    assert r.returncode == 0 and r.stdout + r.stderr == "", r.stdout + r.stderr
+
+
+def test_gpu_template_differs_from_the_unit_only_per_instance() -> None:
+    """The template is wattserve.service with the GPU, port, state, cache and node id
+    made per instance; every hardening line is the same."""
+    unit = (SYSTEMD_DIR / "wattserve.service").read_text().splitlines()
+    template = (SYSTEMD_DIR / "wattserve@.service").read_text().splitlines()
+
+    def settings(lines: list[str]) -> set[str]:
+        return {ln for ln in lines if ln and not ln.startswith("#")}
+
+    added, removed = settings(template) - settings(unit), settings(unit) - settings(template)
+    assert removed == {
+        "Description=wattserve power-aware LLM inference daemon",
+        "Environment=WATTSERVE_CACHE=%C/wattserve/weights",
+        "Environment=XDG_CACHE_HOME=%C/wattserve",
+        "StateDirectory=wattserve",
+        "CacheDirectory=wattserve",
+    }
+    assert added == {
+        "Description=wattserve power-aware LLM inference daemon on GPU %i",
+        "Environment=WATTSERVE_DEVICE__GPU=%i",
+        "Environment=WATTSERVE_ENGINE__DEVICE=auto",
+        "Environment=WATTSERVE_MQTT__NODE_ID=%H-%i",
+        "EnvironmentFile=%E/wattserve/gpu-%i.env",
+        "Environment=WATTSERVE_CACHE=%C/wattserve-%i/weights",
+        "Environment=XDG_CACHE_HOME=%C/wattserve-%i",
+        "StateDirectory=wattserve-%i",
+        "CacheDirectory=wattserve-%i",
+    }
+
+
+@needs_analyze
 def test_verify_would_catch_a_broken_unit(tmp_path) -> None:
     root = analyzable_root(tmp_path, control=False)
     unit = root / "etc/systemd/system/wattserve.service"
@@ -133,9 +172,11 @@ def test_install_tree_is_as_documented_and_idempotent(tmp_path) -> None:
     share = "opt/wattserve/share/wattserve/systemd"
     files = {
         "etc/systemd/system/wattserve.service": "-644",
+        "etc/systemd/system/wattserve@.service": "-644",
         "etc/wattserve/config.toml": "-644",
         "etc/wattserve/api-token": "-600",
         f"{share}/wattserve.service": "-644",
+        f"{share}/wattserve@.service": "-644",
         f"{share}/wattserve-control.conf": "-644",
         f"{share}/config.example.toml": "-644",
     }

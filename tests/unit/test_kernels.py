@@ -12,6 +12,7 @@ from wattserve_kernels.attention import (
     attention_reference,
     paged_attention,
     paged_attention_torch,
+    paged_decode_attention,
     write_kv,
 )
 from wattserve_kernels.extension import load_cpu_kernels
@@ -109,6 +110,42 @@ def test_paged_attention_matches_reference(impl, dtype, tol):
         rows = slice(row, row + len(positions))
         ref = attention_reference(q[rows], k_cache, v_cache, table, positions, 0.25)
         torch.testing.assert_close(out[rows].float(), ref, **tol)
+
+
+def test_paged_attention_torch_with_host_bounds_reads_nothing_back():
+    args, _ = _mixed_step(seed=4, dtype=torch.float32)
+    q, k_cache, v_cache, bt, query_start, context_lens = args
+    expected = paged_attention_torch(*args, 0.25)
+    # Bounds given as host lists: the device copies are never read (poisoned here).
+    out = paged_attention_torch(
+        q, k_cache, v_cache, bt, query_start.neg(), context_lens.neg(), 0.25,
+        host_query_start=query_start.tolist(), host_context_lens=context_lens.tolist(),
+    )
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)])
+def test_paged_decode_attention_matches_reference(dtype, tol):
+    k_cache, v_cache = _random_cache(num_blocks=32, seed=7)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    bs = k_cache.shape[1]
+    rng = random.Random(7)
+    blocks = list(range(32))
+    rng.shuffle(blocks)
+    lengths = [1, bs, bs + 1, 3 * bs - 2]  # one token, a full block, past a block edge
+    tables, used = [], 0
+    for n in lengths:
+        nb = -(-n // bs)
+        tables.append(blocks[used : used + nb])
+        used += nb
+    width = max(len(t) for t in tables) + 1  # wider than any row: padding is masked
+    bt = torch.tensor([t + [blocks[-1]] * (width - len(t)) for t in tables])
+    q = torch.randn(len(lengths), 4, 16, generator=torch.Generator().manual_seed(7)).to(dtype)
+    out = paged_decode_attention(q, k_cache, v_cache, bt, torch.tensor(lengths), 0.25)
+    assert out.shape == q.shape and out.dtype == dtype
+    for b, (table, n) in enumerate(zip(tables, lengths, strict=True)):
+        ref = attention_reference(q[b : b + 1], k_cache, v_cache, table, [n - 1], 0.25)
+        torch.testing.assert_close(out[b : b + 1].float(), ref, **tol)
 
 
 def test_the_cpu_kernel_is_built_here_and_serves_the_dispatch():

@@ -1,0 +1,222 @@
+"""The model step on a CUDA device, traced without a GPU: FakeTensorMode with a fake cuda:0.
+
+What is checked here on a CPU-only torch build (2.13.0+cpu):
+- LlamaModel builds its weights, rotary table and KV pool on the fake cuda:0;
+- prepare() stages the step's tensors on the host and moves them with one copy;
+- a decode step and a prefill (mixed) step of forward() and the sampler run with every
+  op's tensors on cuda:0 -- no host tensor is touched (the fake mode refuses real tensors,
+  and a dispatch mode records any op that sees a CPU tensor) -- and read back to the host
+  exactly once, the sampled ids (one device-to-host copy; no .item() / .tolist() on a
+  cuda tensor: `aten._local_scalar_dense` on a cuda tensor would count as a sync too).
+
+What cannot be faked here, and is left to `wattserve bench gpu` on a GPU machine:
+- numerics and speed (fake tensors carry shapes, dtypes and devices, no values);
+- pinned memory itself: under FakeTensorMode `torch.empty(pin_memory=True)` yields a fake
+  CPU tensor, so that the staging buffer is really page-locked is not observable;
+- CUDA generators (non-greedy sampling): `torch.Generator(device="cuda")` needs the CUDA
+  library, so only greedy rows are sampled here;
+- CUDA-graph capture (torch.cuda.CUDAGraph needs a real device);
+- the int4 levels: building an Int4Linear makes a contiguous copy of its scales, and a copy
+  between (fake) CUDA tensors needs the CUDA library; int8 and fp8 steps are traced here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from daemon.engine.model import LlamaModel
+from daemon.engine.request import SamplingParams
+from daemon.engine.sampler import sample
+from daemon.engine.scheduler import ScheduledChunk, Sequence
+
+CUDA0 = torch.device("cuda", 0)
+_SCALAR = torch.ops.aten._local_scalar_dense.default
+_COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    flat, _ = torch.utils._pytree.tree_flatten(tree)
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+class HostTraffic(TorchDispatchMode):
+    """Counts host synchronisations and records ops that touch a CPU tensor.
+
+    A sync is a device-to-host copy, or a scalar read (`_local_scalar_dense`, what .item()
+    and .tolist() dispatch to) of a device tensor. Scalar reads return 0 so that fake
+    tensors can be "read". Ops on the CPU copy that a sync produced are the host's own
+    (reading back the ids) and are not flagged.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs: list[str] = []
+        self.host_ops: list[str] = []
+        self._readback: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = _tensors((args, kwargs))
+        if func is _SCALAR:
+            if inputs[0].device.type != "cpu":
+                self.syncs.append(str(func))
+            return 0
+        out = func(*args, **kwargs)
+        outputs = _tensors(out)
+        on_host = [t for t in inputs if t.device.type == "cpu"]
+        if func in _COPIES and any(t.device.type != "cpu" for t in inputs) and all(
+            t.device.type == "cpu" for t in outputs
+        ):
+            self.syncs.append(str(func))
+            self._readback.update(id(t) for t in outputs)
+        elif on_host and not all(id(t) in self._readback for t in on_host):
+            self.host_ops.append(str(func))
+        elif on_host:
+            self._readback.update(id(t) for t in outputs)
+        return out
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _chunks(kind: str) -> tuple[list[ScheduledChunk], dict[str, list[int]]]:
+    a = Sequence("a", list(range(1, 11)))  # 10 prompt tokens
+    b = Sequence("b", list(range(20, 27)))  # 7 prompt tokens
+    tables = {"a": [3, 1, 4], "b": [0, 2]}
+    if kind == "decode":  # both have their prompt cached and decode one token each
+        a.output_token_ids.append(5)
+        b.output_token_ids.append(6)
+        return [ScheduledChunk(a, 10, 1, True), ScheduledChunk(b, 7, 1, True)], tables
+    # mixed: a prefills its whole prompt, b a chunk after 3 cached tokens (no sampling)
+    return [ScheduledChunk(a, 0, 10, True), ScheduledChunk(b, 3, 4, False)], tables
+
+
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+@pytest.mark.parametrize(
+    "dtype,level",
+    [(torch.bfloat16, None), (torch.float32, None), (torch.bfloat16, "int8"),
+     (torch.bfloat16, "fp8")],
+)
+def test_a_cuda_step_touches_no_host_tensor_and_syncs_once(hf_model, kind, dtype, level):
+    fake = FakeTensorMode(allow_non_fake_inputs=True)  # the real HF weights go in once
+    with fake:
+        model = LlamaModel(hf_model, 8, 4, dtype, CUDA0)
+        if level is not None:
+            model.use_level(level)  # quantized on the (fake) device
+    assert model.attention_backend == "torch"
+    for t in [model.embed, model.final_norm, model.rope.cos, *model.k_cache, *model.v_cache]:
+        assert t.device == CUDA0
+    qkv = model.layers[0].qkv
+    assert next(t for t in vars(qkv).values() if isinstance(t, torch.Tensor)).device == CUDA0
+    fake.allow_non_fake_inputs = False  # from here a real tensor in any op raises
+    chunks, tables = _chunks(kind)
+    with fake:
+        inp = model.prepare(chunks, tables)
+        for t in (inp.input_ids, inp.slots, inp.block_tables, inp.context_lens):
+            assert t.device == CUDA0
+        assert inp.decode_only == (kind == "decode")
+        traffic = HostTraffic()
+        with traffic:
+            logits = model.forward(inp)
+            n = len(inp.sampled_chunks)
+            ids = sample(logits, [SamplingParams(temperature=0.0)] * n, [None] * n)
+    assert logits.shape == (n, 96) and logits.device == CUDA0
+    assert len(ids) == n
+    assert traffic.host_ops == [], f"ops on host tensors in the step: {traffic.host_ops}"
+    assert len(traffic.syncs) == 1, f"host syncs in one step: {traffic.syncs}"
+
+
+def test_prepare_moves_the_step_in_one_copy(hf_model):
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:
+        model = LlamaModel(hf_model, 8, 4, torch.bfloat16, CUDA0)
+    chunks, tables = _chunks("mixed")
+    with fake:
+        traffic = _CopyCounter()
+        with traffic:
+            model.prepare(chunks, tables)
+    assert traffic.host_to_device == 1
+
+
+class _CopyCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.host_to_device = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = _tensors((args, kwargs))
+        if func in _COPIES and any(t.device.type == "cpu" for t in ins) and any(
+            t.device.type == "cuda" for t in _tensors(out)
+        ):
+            self.host_to_device += 1
+        return out
+
+
+def test_the_counter_sees_item_and_tolist_as_syncs():
+    with FakeTensorMode():
+        x = torch.zeros(4, device=CUDA0)
+        traffic = HostTraffic()
+        with traffic:
+            x.sum().item()
+            x.tolist()  # one scalar read per element: four
+    assert len(traffic.syncs) == 5
+
+
+def test_kv_budget_on_cuda_is_what_the_weights_leave_of_gpu_memory_utilization(monkeypatch):
+    from daemon.engine.engine import EngineOptions, _kv_budget_bytes
+
+    gib = 2**30
+    # 140 GiB GPU, 6 GiB in use (weights, another process): 0.9 * 140 - 6 = 120 GiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (134 * gib, 140 * gib))
+    budget = _kv_budget_bytes(CUDA0, EngineOptions(gpu_memory_utilization=0.9))
+    assert budget == int(140 * gib * 0.9) - 6 * gib
+    # more in use than the share allows: no room, never a negative budget
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (10 * gib, 140 * gib))
+    assert _kv_budget_bytes(CUDA0, EngineOptions(gpu_memory_utilization=0.5)) == 0
+
+
+def test_every_tensor_factory_in_the_engine_and_kernels_names_its_device():
+    """A static guard for what the trace checks dynamically: torch.tensor / zeros / arange
+    / empty / ... / Generator in daemon/engine and wattserve_kernels always pass device=
+    (the *_like factories inherit their input's device and are not listed)."""
+    import ast
+    from pathlib import Path
+
+    factories = {"tensor", "zeros", "ones", "empty", "full", "arange", "eye", "randn", "rand",
+                 "randint", "linspace", "as_tensor", "Generator"}
+    root = Path(__file__).resolve().parents[2]
+    missing = []
+    sources = [*(root / "daemon/engine").glob("*.py"), *(root / "wattserve_kernels").glob("*.py")]
+    checked = 0
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in factories
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "torch"
+            ):
+                checked += 1
+                if not any(k.arg == "device" for k in node.keywords):
+                    missing.append(f"{path.relative_to(root)}:{node.lineno} torch.{node.func.attr}")
+    assert checked > 10 and missing == []
