@@ -58,6 +58,8 @@ class ServingState:
     control_loop: Any | None = None
     # daemon.feed.LiveFeed: telemetry snapshots and events for the dashboard and MQTT.
     feed: Any | None = None
+    # daemon.fleet_node.FleetNodeLink with [fleet] enabled: the grant and lease, for status.
+    fleet: Any | None = None
     phase: Phase = Phase.LOADING
     policy: Policy = field(init=False)  # from [controller] until a PUT replaces it
     in_flight: int = 0
