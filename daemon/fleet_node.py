@@ -314,6 +314,8 @@ class FleetNodeLink:
                             self.on_grant(payload)
             except aiomqtt.MqttError as e:
                 log.debug("fleet: connection lost or refused (%s); retrying", e)
+            except Exception:  # noqa: BLE001 - a bug here must not end the lease keeping
+                log.exception("fleet: the fleet connection failed; reconnecting")
             finally:
                 self._client, self.connected = None, False
             await asyncio.sleep(self._backoff.next_delay_s())
