@@ -191,3 +191,30 @@ def test_a_standby_stays_passive_and_takes_over_when_the_leader_stops(broker, tm
             await n.link.stop()
 
     run(body, 120)
+
+
+def test_a_broker_restart_is_survived(own_broker, tmp_path):
+    async def body() -> None:
+        own_broker.start()
+        web = FakeNode(own_broker, "web", power_w=400.0, pressure=1.4)
+        batch = FakeNode(own_broker, "batch", power_w=400.0, pressure=1.4)
+        for n in (web, batch):
+            await n.link.start()
+        alloc = service(own_broker, tmp_path, "a")
+        stop = asyncio.Event()
+        task = asyncio.create_task(alloc.run(stop))
+        await wait_until(lambda: web.link.counts["applied"] >= 1, WAIT_S)
+        await asyncio.to_thread(own_broker.kill)  # state lost: no retained grant survives
+        await wait_until(lambda: not web.link.connected, WAIT_S)
+        # No broker, no grants: every node runs out its lease to the safe floor.
+        await wait_until(lambda: web.budget_w == batch.budget_w == SAFE_FLOOR_W, WAIT_S)
+        await asyncio.to_thread(own_broker.start)
+        # Everyone reconnects; the allocator claims again and grants come back.
+        await wait_until(lambda: web.budget_w > 600 and batch.budget_w > SAFE_FLOOR_W, WAIT_S)
+        assert alloc.leadership.role is Role.LEADER
+        stop.set()
+        await task
+        for n in (web, batch):
+            await n.link.stop()
+
+    run(body, 120)
