@@ -195,7 +195,14 @@ class Allocator:
         p = self._params
         if self._started_s is None:
             self._started_s = now_s
-        self._epoch = max(self._epoch + 1, int(now_s * 1000))
+        # Above any epoch a node reports, too: a predecessor's clock may run ahead of ours,
+        # and a node refuses every grant of a lower epoch than the one it runs under.
+        reported = [
+            ledger.demand.grant_epoch
+            for ledger in self._ledgers.values()
+            if ledger.demand is not None and ledger.demand.grant_epoch is not None
+        ]
+        self._epoch = max(self._epoch + 1, int(now_s * 1000), max(reported, default=-1) + 1)
         states: dict[str, str] = {}
         charges: dict[str, float] = {}
         for node, ledger in self._ledgers.items():
@@ -343,10 +350,14 @@ class Allocator:
         )
 
     def _base(self, node: str, now_s: float) -> float:
-        """The grant in force: the newest live one, else the floor (lease expired)."""
+        """The grant in force: the newest live one issued here, else the live one the node
+        reports (a predecessor's, after a takeover), else the floor (lease expired)."""
         ledger = self._ledgers[node]
         if ledger.issued and ledger.issued[-1][2] > now_s:
             return ledger.issued[-1][1]
+        d = ledger.demand
+        if d is not None and d.grant_w is not None and (d.grant_expires_s or 0.0) > now_s:
+            return d.grant_w
         return self._specs[node].floor_w
 
     def _emergency(self, now_s: float) -> bool:

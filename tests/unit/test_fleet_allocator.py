@@ -222,3 +222,21 @@ def test_the_site_meter_over_its_threshold_cuts_everyone_at_once():
     alloc.observe_site_power(1500.0, now_s)
     result, now_s = drive(alloc, nodes, needs, now_s, 3)
     assert sum(g.budget_w for g in result.grants) <= after + 1e-6
+
+
+def test_a_takeover_keeps_the_grants_in_force_and_outbids_their_epochs():
+    alloc, specs = make_fleet(2, 1000.0)
+    nodes = {s.node_id: SimNode(s) for s in specs}
+    drive(alloc, nodes, {"n0": 300, "n1": 700}, 0.0, 20)
+    held = nodes["n1"].grant
+    assert held.budget_w == pytest.approx(700, abs=1)
+    # The standby's clock runs 30 s behind its predecessor's.
+    standby, _ = make_fleet(2, 1000.0)
+    now_s = 40.0 - 30.0
+    for node_id, need in (("n0", 300.0), ("n1", 700.0)):
+        d = nodes[node_id].demand(need, 1.0, now_s)
+        standby.observe_demand(node_id, d)
+    result = standby.round(now_s)
+    grants = {g.node_id: g for g in result.grants}
+    assert result.epoch > held.epoch  # the nodes accept them
+    assert grants["n1"].budget_w == pytest.approx(held.budget_w)  # no cut to the floor
