@@ -29,7 +29,7 @@ import math
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -123,6 +123,8 @@ class Outcome:
     class_offered: dict[str, float]
     grant_changes: int
     alloc_cpu_ms: list[float]
+    site_draw_w: list[float] = field(default_factory=list)  # per step
+    site_goodput_tok_s: list[float] = field(default_factory=list)  # per step
 
     def summary(self, n: int, hours: float) -> dict:
         return {
@@ -228,6 +230,8 @@ def simulate(
         served = np.minimum(load, capacity)
         draw = np.minimum(fleet.power_for(served), caps)
         good = np.minimum(load, SLO_UTILISATION * capacity)
+        out.site_draw_w.append(float(draw.sum()))
+        out.site_goodput_tok_s.append(float(good.sum()))
         out.goodput_tok += float(good.sum())
         out.offered_tok += float(load.sum())
         out.energy_j += float(draw.sum())
@@ -251,10 +255,14 @@ def run_scenario(n: int, args: argparse.Namespace) -> dict:
     hours = steps / 3600
     results = {}
     cpu_ms: list[float] = []
+    traces = {}
     for strategy in ("equal_split", "rated_caps", "allocator", "uncapped"):
         o = simulate(fleet, loads, budget_w, strategy, args.period_s, args.seed)
         results[strategy] = o.summary(n, hours)
         cpu_ms += o.alloc_cpu_ms
+        traces[strategy] = (o.site_draw_w, o.site_goodput_tok_s)
+    if args.plot is not None and n == max(args.nodes):
+        plot(args.plot, n, budget_w, traces)
     eq, al = results["equal_split"], results["allocator"]
     cpu_sorted = sorted(cpu_ms)
     return {
@@ -284,6 +292,30 @@ def run_scenario(n: int, args: argparse.Namespace) -> dict:
     }
 
 
+def plot(path: str, n: int, budget_w: float, traces: dict) -> None:
+    """Site power against the budget and site goodput, one-minute means, per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    for strategy, (draw, good) in traces.items():
+        minutes = len(draw) // 60
+        t = np.arange(minutes)
+        top.plot(t, np.array(draw[: minutes * 60]).reshape(minutes, 60).mean(1), label=strategy)
+        bottom.plot(t, np.array(good[: minutes * 60]).reshape(minutes, 60).mean(1), label=strategy)
+    top.axhline(budget_w, color="k", linestyle="--", label="site budget")
+    top.set_ylabel("site power, W")
+    bottom.set_ylabel("goodput, tok/s")
+    bottom.set_xlabel("simulated minutes")
+    top.set_title(f"wattserve bench fleet: {n} nodes, one-minute means")
+    top.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="wattserve bench fleet", description=__doc__)
     ap.add_argument("--nodes", type=int, nargs="+", default=[8, 16, 64])
@@ -293,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--days", type=float, default=1.0)
     ap.add_argument("--period-s", type=int, default=2, choices=[1, 2, 3, 4, 5])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plot", default=None, help="PNG of the largest scenario over time")
     args = ap.parse_args(argv)
     if not 0.0 < args.budget_ratio <= 1.0:
         ap.error("--budget-ratio must be within (0, 1]")
