@@ -85,3 +85,34 @@ def test_demands_become_grants_and_status(tmp_path):
     assert doc["nodes"]["a"]["state"] == "active"
     assert doc["nodes"]["a"]["demand"]["need_w"] == 650.0
     assert doc["headroom_w"] >= 0 and doc["role"] == "standby"
+
+
+def test_the_site_meter_topic_triggers_an_emergency_cut(tmp_path):
+    path = write(tmp_path)
+    text = path.read_text().replace(
+        "lease_s = 10.0",
+        'lease_s = 10.0\nsite_meter_topic = "site/power"\nsite_meter_threshold_w = 800.0',
+    )
+    path.write_text(text)
+    now = [1_767_000_000.0]
+    svc = FleetService(load_fleet_config(path), clock=lambda: now[0], rng=random.Random(0))
+    for node in ("a", "b"):
+        d = DemandPayload(
+            node_id=node,
+            time_unix_s=now[0],
+            need_w=700.0,
+            goodput_per_w=2.0,
+            floor_w=200.0,
+            ceiling_w=700.0,
+            power_w=450.0,
+        )
+        svc.on_message(f"wattserve/{node}/demand", d.to_json_bytes())
+    svc.round_messages()
+    assert not svc.last_round.emergency
+    svc.on_message("site/power", b"not a number")  # ignored
+    svc.on_message("site/power", json.dumps({"power_w": 1000.0}).encode())
+    messages = svc.round_messages()
+    assert svc.last_round.emergency
+    total = sum(GrantPayload.model_validate_json(p).budget_w for _, p, _ in messages)
+    assert total <= 1000.0 * 800 * 0.95 / 1000 + 1e-6
+    assert svc.status()["emergency"] is True
