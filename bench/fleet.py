@@ -7,9 +7,9 @@ C(p) = C_max * ((p - P_idle) / (P_max - P_idle)) ** alpha (concave, as DVFS is),
 node's controller draws the least power that serves what it can. A request stream meets
 its SLOs while utilisation stays under 90 % of C(p); goodput is min(load, 0.9 C(p)),
 attainment goodput / load. Three GPU classes (H200-, A100- and L40S-like curves) with
-shifted diurnal loads (each node its own phase and peak, some hot, some cool) and random
-bursts, all scaled by --load-scale; one site budget at --budget-ratio (default 0.6) of the
-nodes' summed maxima.
+shifted diurnal loads (each node its own phase and peak, some hot, some cool; phases spread
+over --phase-spread of a day) and random bursts, all scaled by --load-scale; one site
+budget at --budget-ratio (default 0.6) of the nodes' summed maxima.
 
 Compared in the same run on the same loads: a static equal split, static caps by rated
 power (Dynamo-planner style), no budget at all (`uncapped`, the ceiling), and the allocator
@@ -90,11 +90,14 @@ def make_fleet(n: int, rng: random.Random) -> Fleet:
     )
 
 
-def make_loads(fleet: Fleet, steps: int, day_s: float, rng: random.Random) -> np.ndarray:
-    """Offered tokens/s, shape (steps, n): shifted diurnal curves plus bursts."""
+def make_loads(
+    fleet: Fleet, steps: int, day_s: float, rng: random.Random, phase_spread: float = 1.0
+) -> np.ndarray:
+    """Offered tokens/s, shape (steps, n): shifted diurnal curves plus bursts; the nodes'
+    phases spread over phase_spread of a day (0: every node peaks at once)."""
     n = len(fleet.cls)
     t = np.arange(steps, dtype=float)[:, None]
-    phase = np.array([rng.random() for _ in range(n)])
+    phase = np.array([rng.random() * phase_spread for _ in range(n)])
     # Heterogeneous peaks: a few nodes run hot at their peak, most well below it.
     peak = np.array([rng.choice((1.2, 0.9, 0.6, 0.4, 0.3)) for _ in range(n)]) * fleet.cap_tok_s
     trough = 0.15
@@ -250,7 +253,7 @@ def run_scenario(n: int, args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed + n)
     fleet = make_fleet(n, rng)
     steps = int(args.day_s * args.days)
-    loads = make_loads(fleet, steps, args.day_s, rng) * args.load_scale
+    loads = make_loads(fleet, steps, args.day_s, rng, args.phase_spread) * args.load_scale
     budget_w = args.budget_ratio * float(fleet.max_w.sum())
     hours = steps / 3600
     results = {}
@@ -270,6 +273,7 @@ def run_scenario(n: int, args: argparse.Namespace) -> dict:
         "site_budget_w": round(budget_w, 1),
         "budget_ratio": args.budget_ratio,
         "load_scale": args.load_scale,
+        "phase_spread": args.phase_spread,
         "uncapped_over_budget_s": results["uncapped"]["site_over_budget_s"],
         "simulated_s": steps,
         "period_s": args.period_s,
@@ -321,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, nargs="+", default=[8, 16, 64])
     ap.add_argument("--budget-ratio", type=float, default=0.6, help="of the summed maxima")
     ap.add_argument("--load-scale", type=float, default=1.0, help="every node's load x this")
+    ap.add_argument(
+        "--phase-spread", type=float, default=1.0, help="of a day; 0: all nodes peak at once"
+    )
     ap.add_argument("--day-s", type=float, default=7200.0, help="one compressed day")
     ap.add_argument("--days", type=float, default=1.0)
     ap.add_argument("--period-s", type=int, default=2, choices=[1, 2, 3, 4, 5])
