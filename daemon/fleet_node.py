@@ -225,10 +225,16 @@ class FleetNodeLink:
             asyncio.create_task(self._tick(), name="wattserve-fleet-demand"),
         ]
 
-    async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+    async def stop(self, timeout_s: float = 2.0) -> None:
+        """Cancel the connection and the demand ticks; a cancelled connection still tries a
+        graceful DISCONNECT, which is not waited on past timeout_s."""
+        for _ in range(2):  # a second cancel ends a DISCONNECT that hangs
+            pending = [t for t in self._tasks if not t.done()]
+            if not pending:
+                break
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending, timeout=timeout_s)
         self._tasks = []
 
     def on_grant(self, payload: bytes) -> GrantVerdict:

@@ -128,7 +128,8 @@ def test_grants_follow_load_within_the_budget_and_leases_expire_to_the_floor(bro
         await wait_until(lambda: web.budget_w == batch.budget_w == SAFE_FLOOR_W, WAIT_S)
         for n in (web, batch):
             await n.link.stop()
-            assert n.link.counts["lease_expired"] == 1
+            # At least once: on a loaded machine a late round may let a lease lapse earlier.
+            assert n.link.counts["lease_expired"] >= 1
         assert max(site_sums([web, batch])) <= BUDGET_W + 1e-6
 
     run(body, 120)
