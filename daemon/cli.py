@@ -1,4 +1,4 @@
-"""The `wattserve` command line: serve, generate, config show, bench, device.
+"""The `wattserve` command line: serve, generate, config show, bench, device, fleet.
 
 Parses flags into per-section config overrides and dispatches; errors the user can fix
 (bad config, unloadable model) end as one line on stderr and a non-zero exit, never a
@@ -85,8 +85,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     cfg = _config_from_args(args)
     placement = resolve_placement(cfg.engine.device, cfg.device.gpu, cfg.device.backend)
-    loaded = load_model(cfg.engine.model, cfg.engine.cache_dir or default_cache_dir(),
-                        cfg.engine.dtype, placement.device.type)
+    loaded = load_model(
+        cfg.engine.model,
+        cfg.engine.cache_dir or default_cache_dir(),
+        cfg.engine.dtype,
+        placement.device.type,
+    )
     engine = Engine(loaded, EngineOptions.from_config(cfg.engine), placement.device)
     prompt = args.prompt
     if not args.raw:
@@ -150,8 +154,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from bench import control_ceiling
 
         return control_ceiling.main(args.rest)
+    if args.which == "fleet":
+        from bench import fleet as bench_fleet
+
+        return bench_fleet.main(args.rest)
     print(f"wattserve: error: unknown benchmark {args.which!r}", file=sys.stderr)
     return 2
+
+
+def _cmd_fleet(args: argparse.Namespace) -> int:
+    from daemon import fleet_service
+
+    return fleet_service.main(args.config)
 
 
 def _cmd_install_service(args: argparse.Namespace) -> int:
@@ -224,6 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
     # when it runs, never by the daemon.
     trace.set_defaults(func=_cmd_device)
 
+    p = sub.add_parser("fleet", help="the fleet allocator: one site budget over many nodes")
+    p.add_argument(
+        "--config", "-c", required=True, help="the allocator's TOML file (docs/fleet.md)"
+    )
+    p.set_defaults(func=_cmd_fleet)
+
     p = sub.add_parser("install-service", help="the systemd unit (install: systemd/install.sh)")
     p.add_argument("--print", action="store_true", help="print the unit install.sh installs")
     p.add_argument("--control", action="store_true", help="print the control-mode drop-in instead")
@@ -232,7 +252,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks (each prints one JSON line last)")
     p.add_argument(
         "which",
-        choices=["engine", "serve", "quant", "prefix", "control", "control-ceiling", "gpu"],
+        choices=[
+            "engine",
+            "serve",
+            "quant",
+            "prefix",
+            "control",
+            "control-ceiling",
+            "gpu",
+            "fleet",
+        ],
     )
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)

@@ -1,7 +1,7 @@
 """Effective configuration: defaults < TOML file < WATTSERVE_* environment < CLI flags.
 
 Every key lives in one of the sections [server], [engine], [device], [controller],
-[mqtt], and every key can also be set as WATTSERVE_<SECTION>__<KEY>. The result is
+[mqtt], [fleet], and every key can also be set as WATTSERVE_<SECTION>__<KEY>. The result is
 frozen: nothing may write values back into it at runtime; values derived at runtime
 (the KV pool size, the chosen device backend) live in their own objects.
 Unknown keys and bad values raise ConfigError with one line naming the key.
@@ -314,6 +314,36 @@ class MqttConfig(_Section):
         return self
 
 
+class FleetConfig(_Section):
+    """This node's part in a fleet power budget (docs/fleet.md): off by default.
+
+    With it on, the node publishes its `demand` and takes its power budget from the
+    allocator's retained `grant` (MQTT 5, over the [mqtt] broker and credentials); when the
+    grant's lease runs out it drops to safe_floor_w until a live grant comes.
+    """
+
+    enabled: bool = False
+    safe_floor_w: float | None = Field(
+        None, gt=0, description="Power budget once a lease expires; required when enabled."
+    )
+    demand_interval_ms: int = Field(1000, ge=100, le=60_000)
+    max_lease_s: float = Field(
+        60.0,
+        gt=0,
+        description="A grant is held no longer than this after it arrives, "
+        "whatever its expires_at says (a bound on clock skew between allocator and node).",
+    )
+    need_margin_ratio: float = Field(
+        0.1, ge=0, le=1, description="Asked for on top of the power the SLOs need now."
+    )
+
+    @model_validator(mode="after")
+    def _check_floor(self) -> FleetConfig:
+        if self.enabled and self.safe_floor_w is None:
+            raise ValueError("enabled = true needs safe_floor_w (the budget after a lease)")
+        return self
+
+
 class Config(BaseSettings):
     """The whole effective configuration."""
 
@@ -329,11 +359,14 @@ class Config(BaseSettings):
     device: DeviceConfig = DeviceConfig()
     controller: ControllerConfig = ControllerConfig()
     mqtt: MqttConfig = MqttConfig()
+    fleet: FleetConfig = FleetConfig()
 
     @model_validator(mode="after")
     def _check_limits(self) -> Config:
         if self.engine.max_num_batched_tokens < self.engine.block_size_tokens:
             raise ValueError("engine.max_num_batched_tokens must be >= engine.block_size_tokens")
+        if self.fleet.enabled and not self.mqtt.enabled:
+            raise ValueError("fleet.enabled needs mqtt.enabled (grants come over the broker)")
         return self
 
 

@@ -12,7 +12,9 @@ refuse new connections instead of answering them 503.
 With [mqtt] enabled, the MQTT link starts first (the broker sees `online`, phase
 loading), follows the phase, publishes the live feed's events and telemetry, takes live
 `policy/set` messages (only with mqtt.accept_policy) through the same path as HTTP PUT,
-and says `offline` last.
+and says `offline` last. With [fleet] enabled, the fleet link (daemon/fleet_node.py)
+publishes the node's demand and turns live grants into power_budget_w on that same path
+(changed_by "fleet"), at the safe floor until the first grant and after a lease expires.
 If the engine loop dies, its requests end with an error, /ready and new requests get 503,
 an `engine_fault` event goes out, and the process exits EXIT_ENGINE_FAULT after the same
 shutdown (device restored, `stop`, `offline`) so that systemd restarts it. Each shutdown
@@ -36,7 +38,7 @@ from typing import Any
 
 import uvicorn
 
-from controller.schema import PolicyModel, to_model
+from controller.schema import PolicyModel, PolicyPatch, to_model
 from daemon.api.app import create_app
 from daemon.api.connection import ConnectionLimits, protocol_factory
 from daemon.api.state import Phase, ServingState, resolve_api_token
@@ -56,6 +58,7 @@ from daemon.engine.placement import (
 )
 from daemon.engine.request import SamplingParams
 from daemon.feed import LiveFeed
+from daemon.fleet_node import FleetNodeLink
 from daemon.mqtt import DeviceSummary, EventPayload, MqttLink
 from daemon.mqtt.metrics import MqttCollector
 from daemon.quant_table import load_quality_table, quality_table_path
@@ -73,6 +76,7 @@ _STATUS_INTERVAL_S = 5.0
 _FEED_PERIOD_S = 1.0
 # The window the MQTT telemetry closes on the live feed (its own period, mqtt.*_ms).
 _MQTT_WINDOW = "mqtt"
+_FLEET_WINDOW = "fleet"
 # The exit code after the engine loop died (EX_SOFTWARE): non-zero, so systemd restarts us.
 EXIT_ENGINE_FAULT = 70
 
@@ -128,6 +132,7 @@ class Daemon:
         self._last_status: tuple[int, float] | None = None  # (requests finished, time)
         # Built here so that an unreadable password or TLS file stops the start, unbound.
         self.mqtt = self._build_mqtt() if cfg.mqtt.enabled else None
+        self.fleet = self.state.fleet = self._build_fleet() if cfg.fleet.enabled else None
 
     # ---- MQTT ---------------------------------------------------------------------------------
     def _build_mqtt(self) -> MqttLink:
@@ -145,6 +150,29 @@ class Daemon:
         self.state.metrics.registry.register(MqttCollector(link))
         link.set_policy(to_model(self.state.policy))
         return link
+
+    def _build_fleet(self) -> FleetNodeLink:
+        self.feed.open_window(_FLEET_WINDOW)
+
+        def demand_source() -> Any:
+            sampler = self.state.device_sampler
+            latest = sampler.latest() if sampler is not None else None
+            if latest is None:
+                return None  # no device yet: nothing to ask for
+            snapshot = self.feed.snapshot(_FLEET_WINDOW)
+            return snapshot, latest.power_limit_min_w, latest.power_limit_max_w
+
+        return FleetNodeLink(
+            self.cfg.mqtt,
+            self.cfg.fleet,
+            demand_source=demand_source,
+            apply_budget=self._fleet_budget,
+        )
+
+    def _fleet_budget(self, power_budget_w: float, why: str) -> None:
+        """A grant (or the safe floor) as power_budget_w: the HTTP PUT's path, by "fleet"."""
+        self.state.apply_policy(PolicyPatch(power_budget_w=power_budget_w), changed_by="fleet")
+        log.info("%s: power budget %.0f W", why, power_budget_w)
 
     def _mqtt_policy_set(self, fields: dict[str, Any]) -> PolicyModel:
         """policy/set: the HTTP control body's model, applied as a PUT is. The feed reports
@@ -279,6 +307,8 @@ class Daemon:
             if self.mqtt is not None:
                 self._set_phase(self.state.phase)  # `online`, loading, once it connects
                 await self.mqtt.start()
+            if self.fleet is not None:
+                await self.fleet.start()
             while not server.started and not serve_task.done():
                 await asyncio.sleep(0.01)
             if serve_task.done():
@@ -322,6 +352,11 @@ class Daemon:
             if device is not None:
                 # Settings this run changed go back.
                 _shutdown_step("device restore", lambda: device.close(restore=True))
+            if self.fleet is not None:
+                try:
+                    await self.fleet.stop()
+                except Exception:
+                    log.exception("shutdown: fleet link stop failed")
             self.feed.publish_event("stop", f"stopped (exit code {code})", {"exit_code": code})
             if self.mqtt is not None:
                 try:

@@ -84,6 +84,7 @@ async def status(request: Request) -> StatusResponse:
         "control_enabled": state.api_token is not None,
         # policy/set over MQTT: "off", or the kind of connection it is taken over.
         "mqtt_remote_policy": state.cfg.mqtt.remote_policy,
+        "fleet": state.fleet.status() if state.fleet is not None else {"enabled": False},
     }
     engine_info = None
     if engine is not None:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from daemon.control_loop import ControlLoop
     from daemon.device import ManagedDevice, TelemetrySampler
     from daemon.feed import LiveFeed
+    from daemon.fleet_node import FleetNodeLink
 
 
 class Phase(enum.Enum):
@@ -65,6 +66,8 @@ class ServingState:
     control_loop: ControlLoop | None = None
     # Telemetry snapshots and events for the dashboard and MQTT.
     feed: LiveFeed | None = None
+    # daemon.fleet_node.FleetNodeLink with [fleet] enabled: the grant and lease, for status.
+    fleet: FleetNodeLink | None = None
     phase: Phase = Phase.LOADING
     # The policy in force: from [controller] until HTTP or MQTT changes it; the control
     # loop's controller holds the same value once the loop runs.

@@ -278,6 +278,60 @@ def describe_rejection(error: Exception) -> PolicySetRejected:
     return PolicySetRejected(f"invalid policy: {error}")
 
 
+# ---- fleet: demand and grant (docs/fleet.md) ------------------------------------------
+
+
+class GrantInForce(_Payload):
+    """The grant a node runs under, as its demand reports it back to the allocator."""
+
+    epoch: int
+    budget_w: float
+    expires_at_unix_s: float
+
+
+class DemandPayload(_Versioned):
+    """`demand` (QoS 0, every fleet.demand_interval_ms, with [fleet] enabled): what this node
+    asks of the fleet allocator.
+
+    need_w: power needed to meet its SLOs now; goodput_per_w: goodput (generated tokens/s
+    of requests within the SLOs) per watt, the allocator's estimate of what a watt buys
+    here; floor_w / ceiling_w: the range its grant may take (its safe floor or the device's
+    minimum power limit, whichever is higher; the device's maximum); grant: the grant in
+    force, null when it runs at its safe floor.
+    """
+
+    node_id: str
+    time_unix_s: float
+    need_w: float = Field(..., ge=0)
+    goodput_per_w: float = Field(..., ge=0)
+    floor_w: float = Field(..., ge=0)
+    ceiling_w: float = Field(..., ge=0)
+    power_w: float | None = None
+    slo_pressure_ratio: float | None = None  # worst p99 over its SLO (> 1: missing it)
+    grant: GrantInForce | None = None
+
+
+class GrantPayload(_Versioned):
+    """`grant` (QoS 1, retained, MQTT 5 message expiry = the lease): a node's power budget
+    from the fleet allocator. Epochs only grow; a grant past expires_at_unix_s is void."""
+
+    node_id: str
+    budget_w: float = Field(..., gt=0)
+    epoch: int = Field(..., ge=0)
+    expires_at_unix_s: float
+    issued_at_unix_s: float
+
+
+MAX_GRANT_BYTES = 4096
+
+
+def parse_grant(payload: bytes) -> GrantPayload:
+    """A `grant` message; raises ValueError (pydantic's ValidationError is one)."""
+    if len(payload) > MAX_GRANT_BYTES:
+        raise ValueError(f"grant is {len(payload)} bytes, more than {MAX_GRANT_BYTES}")
+    return GrantPayload.model_validate_json(payload)
+
+
 # ---- topics -----------------------------------------------------------------------------
 
 
@@ -311,6 +365,14 @@ class Topics:
     @property
     def policy_set(self) -> str:
         return f"{self.base}/policy/set"
+
+    @property
+    def demand(self) -> str:
+        return f"{self.base}/demand"
+
+    @property
+    def grant(self) -> str:
+        return f"{self.base}/grant"
 
 
 _NODE_ID_BAD = re.compile(r"[^A-Za-z0-9_.-]")

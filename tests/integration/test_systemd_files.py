@@ -295,3 +295,34 @@ def test_unit_limits_fit_the_server_limits() -> None:
         assert 50 <= float(memory_max[:-1]) <= 90, memory_max
     else:
         assert _bytes(memory_max) >= 4 * buffers, (memory_max, buffers)
+
+
+def fleet_root(tmp_path: Path) -> Path:
+    """A tree with the fleet unit installed where systemd-analyze looks, like install.sh."""
+    root = analyzable_root(tmp_path, control=False)
+    shutil.copy(SYSTEMD_DIR / "wattserve-fleet.service", root / "etc/systemd/system")
+    return root
+
+
+@needs_analyze
+def test_fleet_unit_verifies_clean_and_is_tightly_sandboxed(tmp_path) -> None:
+    root = fleet_root(tmp_path)
+    r = analyze("verify", f"--root={root}", "wattserve-fleet.service")
+    assert r.returncode == 0 and r.stdout + r.stderr == "", r.stdout + r.stderr
+    r = analyze(
+        "security", "--offline=yes", f"--root={root}", "--no-pager", "wattserve-fleet.service"
+    )
+    m = re.search(r"Overall exposure level for wattserve-fleet\.service: (\d+\.\d+)", r.stdout)
+    assert m, r.stdout + r.stderr
+    # No GPU, no capability: at least as tight as the observe-mode daemon.
+    assert float(m.group(1)) <= min(MAX_EXPOSURE, exposure(root))
+
+
+def test_fleet_example_config_loads_and_its_floors_fit() -> None:
+    from daemon.fleet_service import load_fleet_config
+
+    cfg = load_fleet_config(SYSTEMD_DIR / "fleet.example.toml")
+    assert sum(n.floor_w for n in cfg.nodes) <= cfg.allocator.site_budget_w
+    unit = (SYSTEMD_DIR / "wattserve-fleet.service").read_text()
+    assert "wattserve fleet --config %E/wattserve/fleet.toml" in unit
+    assert str(cfg.allocator.status_file).startswith("/run/wattserve-fleet/")

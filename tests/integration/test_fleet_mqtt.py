@@ -1,0 +1,221 @@
+"""The fleet over a real Mosquitto: the allocator service and node links (docs/fleet.md).
+
+Real FleetService instances and FleetNodeLinks (the daemon's fleet connection) on a private
+broker on a random loopback port; each node's demand comes from a fixed fake snapshot and
+its budget sink records what it would apply. Every wait is on a condition with a bounded
+timeout; nothing is timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+
+import aiomqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from daemon.config import FleetConfig, MqttConfig
+from daemon.fleet_node import FleetNodeLink
+from daemon.fleet_service import FleetService, FleetServiceConfig
+from daemon.mqtt.payloads import DeviceFigures, GrantPayload, LatencyFigures, TelemetryPayload
+from fleet.leader import Role
+from tests.mqtt_broker import Broker, run, wait_until
+
+SAFE_FLOOR_W = 150.0
+BUDGET_W = 900.0
+WAIT_S = 20.0
+
+
+class FakeNode:
+    """A node link whose demand is `power_w` at SLO pressure `pressure` (p99 / SLO)."""
+
+    def __init__(self, broker: Broker, node_id: str, power_w: float, pressure: float) -> None:
+        self.node_id = node_id
+        self.power_w, self.pressure = power_w, pressure
+        self.applied: list[float] = []
+        self.link = FleetNodeLink(
+            MqttConfig(host="127.0.0.1", port=broker.port, node_id=node_id),
+            FleetConfig(enabled=True, safe_floor_w=SAFE_FLOOR_W, demand_interval_ms=200),
+            demand_source=self.demand,
+            apply_budget=lambda w, why: self.applied.append(w),
+            rng=random.Random(0),
+        )
+
+    def demand(self):
+        snap = TelemetryPayload(
+            device=DeviceFigures(power_w=self.power_w, power_avg_w=self.power_w),
+            latency=LatencyFigures(tpot_p99_ms=100.0 * self.pressure, slo_attainment_ratio=1.0),
+            policy={"ttft_slo_ms": 1000.0, "tpot_slo_ms": 100.0},
+        )
+        return snap, 100.0, 700.0
+
+    @property
+    def budget_w(self) -> float:
+        return self.applied[-1]
+
+
+def service(broker: Broker, tmp_path: Path, instance: str, **allocator) -> FleetService:
+    cfg = FleetServiceConfig.model_validate(
+        {
+            "allocator": {
+                "site_budget_w": BUDGET_W,
+                "period_s": 1.0,
+                "lease_s": 3.0,
+                "grace_s": 1.0,
+                "raise_step_w": 200.0,
+                "instance_id": instance,
+                "status_file": str(tmp_path / f"{instance}.json"),
+                **allocator,
+            },
+            "mqtt": {"host": "127.0.0.1", "port": broker.port, "reconnect_initial_ms": 50},
+            "nodes": [
+                {"node_id": "web", "floor_w": 150, "ceiling_w": 700, "band": 1},
+                {"node_id": "batch", "floor_w": 150, "ceiling_w": 700, "band": 0},
+            ],
+        }
+    )
+    return FleetService(cfg, rng=random.Random(1))
+
+
+def site_sums(nodes: list[FakeNode]) -> list[float]:
+    """The sum of the budgets in force after every change, whichever node changed."""
+    events = sorted((t, n.node_id, w) for n in nodes for t, w in getattr(n, "timeline", []))
+    now: dict[str, float] = {}
+    sums = []
+    for _, node, w in events:
+        now[node] = w
+        sums.append(sum(now.values()))
+    return sums
+
+
+def timed(node: FakeNode) -> None:
+    node.timeline = []  # type: ignore[attr-defined]
+    sink = node.link._apply_budget
+
+    def record(w: float, why: str) -> None:
+        node.timeline.append((time.monotonic(), w))  # type: ignore[attr-defined]
+        sink(w, why)
+
+    node.link._apply_budget = record
+
+
+def test_grants_follow_load_within_the_budget_and_leases_expire_to_the_floor(broker, tmp_path):
+    async def body() -> None:
+        web = FakeNode(broker, "web", power_w=400.0, pressure=1.4)  # needs ~616 W
+        batch = FakeNode(broker, "batch", power_w=400.0, pressure=1.4)
+        for n in (web, batch):
+            timed(n)
+            await n.link.start()
+        alloc = service(broker, tmp_path, "a")
+        stop = asyncio.Event()
+        task = asyncio.create_task(alloc.run(stop))
+        # web (band 1) gets its need; batch the rest of the 900 W.
+        await wait_until(lambda: web.applied and web.budget_w > 600, WAIT_S)
+        await wait_until(lambda: batch.applied and 250 < batch.budget_w <= 300, WAIT_S)
+        assert alloc.leadership.role is Role.LEADER
+        # web's load falls: its grant is cut and batch's grows into the freed watts.
+        web.power_w, web.pressure = 150.0, 0.8
+        await wait_until(lambda: web.budget_w < 300, WAIT_S)
+        await wait_until(lambda: batch.budget_w > 550, WAIT_S)
+        status = (tmp_path / "a.json").read_text()
+        assert '"role": "leader"' in status and '"web"' in status
+        # The allocator stops: every node drops to its safe floor when its lease runs out.
+        stop.set()
+        await task
+        await wait_until(lambda: web.budget_w == batch.budget_w == SAFE_FLOOR_W, WAIT_S)
+        for n in (web, batch):
+            await n.link.stop()
+            # At least once: on a loaded machine a late round may let a lease lapse earlier.
+            assert n.link.counts["lease_expired"] >= 1
+        assert max(site_sums([web, batch])) <= BUDGET_W + 1e-6
+
+    run(body, 120)
+
+
+def test_a_stale_retained_grant_is_never_applied(broker, tmp_path):
+    async def body() -> None:
+        # An expired grant left retained by a publisher that set no message expiry.
+        stale = GrantPayload(
+            node_id="stale",
+            budget_w=690.0,
+            epoch=10**15,
+            expires_at_unix_s=time.time() - 5,
+            issued_at_unix_s=time.time() - 15,
+        )
+        async with aiomqtt.Client(
+            "127.0.0.1", broker.port, protocol=aiomqtt.ProtocolVersion.V5
+        ) as c:
+            await c.publish("wattserve/stale/grant", stale.to_json_bytes(), qos=1, retain=True)
+            # And one with a message expiry that has passed by the time the node connects.
+            props = Properties(PacketTypes.PUBLISH)
+            props.MessageExpiryInterval = 1
+            await c.publish(
+                "wattserve/other/grant",
+                stale.to_json_bytes(),
+                qos=1,
+                retain=True,
+                properties=props,
+            )
+        node = FakeNode(broker, "stale", 300.0, 1.0)
+        await node.link.start()
+        await wait_until(lambda: node.link.counts["rejected"] >= 1, WAIT_S)
+        assert node.applied == [SAFE_FLOOR_W]  # the start's safe floor, nothing else
+        await node.link.stop()
+
+    run(body, 60)
+
+
+def test_a_standby_stays_passive_and_takes_over_when_the_leader_stops(broker, tmp_path):
+    async def body() -> None:
+        nodes = [FakeNode(broker, "web", 300.0, 1.0), FakeNode(broker, "batch", 300.0, 1.0)]
+        for n in nodes:
+            await n.link.start()
+        first, second = service(broker, tmp_path, "one"), service(broker, tmp_path, "two")
+        stop_first, stop_second = asyncio.Event(), asyncio.Event()
+        t1 = asyncio.create_task(first.run(stop_first))
+        await wait_until(lambda: first.leadership.role is Role.LEADER, WAIT_S)
+        t2 = asyncio.create_task(second.run(stop_second))
+        await wait_until(lambda: second.leadership.role is Role.STANDBY and first.rounds > 3)
+        rounds_before = first.rounds
+        await wait_until(lambda: first.rounds > rounds_before + 3, WAIT_S)
+        assert second.rounds == 0 and second.leadership.role is Role.STANDBY
+        stop_first.set()
+        await t1
+        await wait_until(lambda: second.leadership.role is Role.LEADER, WAIT_S)
+        await wait_until(lambda: second.rounds > 2, WAIT_S)
+        stop_second.set()
+        await t2
+        for n in nodes:
+            await n.link.stop()
+
+    run(body, 120)
+
+
+def test_a_broker_restart_is_survived(own_broker, tmp_path):
+    async def body() -> None:
+        own_broker.start()
+        web = FakeNode(own_broker, "web", power_w=400.0, pressure=1.4)
+        batch = FakeNode(own_broker, "batch", power_w=400.0, pressure=1.4)
+        for n in (web, batch):
+            await n.link.start()
+        alloc = service(own_broker, tmp_path, "a")
+        stop = asyncio.Event()
+        task = asyncio.create_task(alloc.run(stop))
+        await wait_until(lambda: web.link.counts["applied"] >= 1, WAIT_S)
+        await asyncio.to_thread(own_broker.kill)  # state lost: no retained grant survives
+        await wait_until(lambda: not web.link.connected, WAIT_S)
+        # No broker, no grants: every node runs out its lease to the safe floor.
+        await wait_until(lambda: web.budget_w == batch.budget_w == SAFE_FLOOR_W, WAIT_S)
+        await asyncio.to_thread(own_broker.start)
+        # Everyone reconnects; the allocator claims again and grants come back.
+        await wait_until(lambda: web.budget_w > 600 and batch.budget_w > SAFE_FLOOR_W, WAIT_S)
+        assert alloc.leadership.role is Role.LEADER
+        stop.set()
+        await task
+        for n in (web, batch):
+            await n.link.stop()
+
+    run(body, 120)

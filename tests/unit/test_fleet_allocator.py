@@ -1,0 +1,242 @@
+"""The stateful allocator: leases, make-before-break raises, silent nodes, the site meter.
+
+The property test plays rounds against simulated nodes that obey the node-side rules
+(apply only a live grant of a newer epoch; at lease expiry drop to the safe floor), with
+grants lost, delayed and applied in any order, and checks that the power limits in force
+never sum above the site budget.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fleet.allocator import (
+    Allocator,
+    AllocatorParams,
+    Demand,
+    FleetConfigError,
+    Grant,
+    NodeSpec,
+)
+
+PERIOD_S = 2.0
+
+
+class SimNode:
+    """A node as daemon/fleet_node.py behaves: its power limit is the grant in force."""
+
+    def __init__(self, spec: NodeSpec) -> None:
+        self.spec = spec
+        self.grant: Grant | None = None
+
+    def limit_w(self, now_s: float) -> float:
+        if self.grant is None or self.grant.expires_s <= now_s:
+            self.grant = None
+            return self.spec.floor_w  # the safe floor
+        return self.grant.budget_w
+
+    def offer(self, grant: Grant, now_s: float) -> None:
+        if grant.expires_s <= now_s:
+            return
+        if self.grant is not None and grant.epoch <= self.grant.epoch:
+            return
+        self.grant = grant
+
+    def demand(self, need_w: float, gain: float, now_s: float) -> Demand:
+        live = self.grant if self.grant and self.grant.expires_s > now_s else None
+        return Demand(
+            need_w=need_w,
+            goodput_per_w=gain,
+            device_min_w=0.0,
+            device_max_w=self.spec.ceiling_w,
+            power_w=self.limit_w(now_s) * 0.9,
+            grant_epoch=live.epoch if live else None,
+            received_s=now_s,
+            grant_w=live.budget_w if live else None,
+            grant_expires_s=live.expires_s if live else None,
+        )
+
+
+def make_fleet(n: int, budget_w: float, **params) -> tuple[Allocator, list[NodeSpec]]:
+    specs = [NodeSpec(f"n{i}", floor_w=100.0, ceiling_w=700.0, band=i % 2) for i in range(n)]
+    alloc = Allocator(
+        specs,
+        AllocatorParams(site_budget_w=budget_w, period_s=PERIOD_S, **params),
+        random.Random(1),
+    )
+    return alloc, specs
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(2, 8),
+    slack_w=st.floats(0, 3000),
+    seed=st.integers(0, 2**32 - 1),
+    rounds=st.integers(5, 40),
+)
+def test_limits_in_force_never_exceed_the_site_budget(n, slack_w, seed, rounds):
+    rng = random.Random(seed)
+    budget_w = 100.0 * n + slack_w
+    alloc, specs = make_fleet(n, budget_w, lease_s=7.0, grace_s=3.0)
+    nodes = {s.node_id: SimNode(s) for s in specs}
+    in_flight: list[Grant] = []  # grants delayed by the broker
+    now_s = 1_000.0
+    for _ in range(rounds):
+        for node in nodes.values():
+            if rng.random() < 0.8:  # sometimes a node stays silent
+                alloc.observe_demand(
+                    node.spec.node_id,
+                    node.demand(rng.uniform(0, 900), rng.uniform(0, 10), now_s),
+                )
+        result = alloc.round(now_s)
+        assert sum(g.budget_w for g in result.grants) <= budget_w + 1e-6
+        for g in result.grants:
+            assert g.budget_w >= 100.0 - 1e-6
+        in_flight.extend(g for g in result.grants if rng.random() < 0.85)
+        rng.shuffle(in_flight)
+        # Deliver some now, in any order, checking the site after each one.
+        keep = []
+        for g in in_flight:
+            if rng.random() < 0.7:
+                nodes[g.node_id].offer(g, now_s)
+                assert sum(x.limit_w(now_s) for x in nodes.values()) <= budget_w + 1e-6
+            else:
+                keep.append(g)
+        in_flight = keep
+        now_s += PERIOD_S * rng.uniform(0.5, 1.5)
+        assert sum(x.limit_w(now_s) for x in nodes.values()) <= budget_w + 1e-6
+
+
+def test_floors_over_the_budget_refuse_to_start():
+    with pytest.raises(FleetConfigError, match="floors"):
+        make_fleet(4, 399.0)
+
+
+def drive(alloc, nodes, needs, now_s, rounds, gain=None):
+    result = None
+    for _ in range(rounds):
+        for node_id, node in nodes.items():
+            if node_id in needs:
+                g = (gain or {}).get(node_id, 1.0)
+                alloc.observe_demand(node_id, node.demand(needs[node_id], g, now_s))
+        result = alloc.round(now_s)
+        for g in result.grants:
+            nodes[g.node_id].offer(g, now_s)
+        now_s += PERIOD_S
+    return result, now_s
+
+
+def test_grants_follow_load_cut_fast_and_raise_slowly():
+    alloc, specs = make_fleet(2, 900.0, raise_step_w=50.0, hysteresis_w=10.0)
+    nodes = {s.node_id: SimNode(s) for s in specs}
+    result, now_s = drive(alloc, nodes, {"n0": 600, "n1": 600}, 0.0, 20)
+    grants = {g.node_id: g.budget_w for g in result.grants}
+    assert grants["n1"] == pytest.approx(600, abs=1)  # band 1 first
+    assert grants["n0"] == pytest.approx(300, abs=1)
+    # n1's load drops: its cut comes in one round (to its need plus the 100 W surplus,
+    # which goes to the higher band first); n0's raise waits until the cut is applied (the
+    # grant n1 runs under is charged until it acknowledges the new one), then comes in steps.
+    result, now_s = drive(alloc, nodes, {"n0": 600, "n1": 200}, now_s, 1)
+    grants = {g.node_id: g.budget_w for g in result.grants}
+    assert grants["n1"] == pytest.approx(300, abs=1e-6)
+    assert grants["n0"] <= 301  # freed watts not reused yet (n1 stopped 0.5 W short)
+    before = grants["n0"]
+    result, now_s = drive(alloc, nodes, {"n0": 600, "n1": 200}, now_s, 1)
+    step = {g.node_id: g.budget_w for g in result.grants}["n0"] - before
+    assert 25 - 1e-6 <= step <= 50 + 1e-6  # jittered within [0.5, 1] x raise_step_w
+    result, now_s = drive(alloc, nodes, {"n0": 600, "n1": 200}, now_s, 15)
+    grants = {g.node_id: g.budget_w for g in result.grants}
+    assert grants["n0"] == pytest.approx(600, abs=11)
+    assert sum(grants.values()) <= 900
+
+
+def test_small_changes_inside_the_hysteresis_change_nothing():
+    alloc, specs = make_fleet(2, 900.0, hysteresis_w=20.0)
+    nodes = {s.node_id: SimNode(s) for s in specs}
+    result, now_s = drive(alloc, nodes, {"n0": 600, "n1": 600}, 0.0, 40)
+    before = {g.node_id: g.budget_w for g in result.grants}
+    assert before["n1"] == pytest.approx(600, abs=20)
+    assert before["n0"] == pytest.approx(300, abs=20)
+    # Targets move by 5 W (n1 595, n0 305): nothing is reissued with another budget.
+    result, now_s = drive(alloc, nodes, {"n0": 610, "n1": 595}, now_s, 3)
+    assert {g.node_id: g.budget_w for g in result.grants} == before
+
+
+def test_a_silent_node_is_charged_until_lease_and_grace_then_released():
+    alloc, specs = make_fleet(2, 1000.0, lease_s=6.0, grace_s=4.0, demand_timeout_s=4.0)
+    nodes = {s.node_id: SimNode(s) for s in specs}
+    result, now_s = drive(alloc, nodes, {"n0": 700, "n1": 500}, 0.0, 20)
+    held = {g.node_id: g.budget_w for g in result.grants}
+    assert held["n1"] == pytest.approx(500, abs=1)
+    last_grant_s = now_s - PERIOD_S
+    states = []
+    while now_s < last_grant_s + 6.0 + 4.0 + 3 * PERIOD_S:
+        result, now_s = drive(alloc, nodes, {"n0": 700}, now_s, 1)
+        states.append((result.time_s, result.nodes["n1"].state, result.nodes["n1"].charge_w))
+        n0 = {g.node_id: g.budget_w for g in result.grants}["n0"]
+        assert n0 + result.nodes["n1"].charge_w <= 1000 + 1e-6
+        if result.nodes["n1"].state == "silent":
+            assert result.nodes["n1"].charge_w >= 500 - 1e-6
+            assert n0 <= 500 + 1e-6
+    assert states[-1][1] == "released"
+    # Released: n1 is charged its floor (its safe floor) and n0 grows into the rest.
+    result, now_s = drive(alloc, nodes, {"n0": 700}, now_s, 10)
+    assert {g.node_id: g.budget_w for g in result.grants}["n0"] == pytest.approx(700, abs=11)
+    assert result.nodes["n1"].charge_w == 100
+
+
+def test_a_fresh_allocator_charges_grants_it_did_not_issue():
+    alloc, specs = make_fleet(2, 1000.0)
+    nodes = {s.node_id: SimNode(s) for s in specs}
+    drive(alloc, nodes, {"n0": 300, "n1": 700}, 0.0, 20)
+    assert nodes["n1"].grant.budget_w == pytest.approx(700, abs=1)
+    # A standby takes over; n1 has not spoken yet, n0 now wants everything.
+    standby, _ = make_fleet(2, 1000.0)
+    now_s = 40.0
+    standby.observe_demand("n0", nodes["n0"].demand(900, 1.0, now_s))
+    result = standby.round(now_s)
+    assert result.nodes["n1"].charge_w == 700  # unknown: its ceiling until a lease passes
+    assert {g.node_id: g.budget_w for g in result.grants}["n0"] <= 300 + 1e-6
+    standby.observe_demand("n1", nodes["n1"].demand(700, 1.0, now_s + 2))
+    result = standby.round(now_s + 2)
+    assert result.nodes["n1"].charge_w == pytest.approx(nodes["n1"].grant.budget_w)
+
+
+def test_the_site_meter_over_its_threshold_cuts_everyone_at_once():
+    alloc, specs = make_fleet(4, 2400.0, site_meter_threshold_w=2000.0, emergency_margin_ratio=0.1)
+    nodes = {s.node_id: SimNode(s) for s in specs}
+    needs = {s.node_id: 600.0 for s in specs}
+    result, now_s = drive(alloc, nodes, needs, 0.0, 20)
+    before = sum(g.budget_w for g in result.grants)
+    assert before == pytest.approx(2400, abs=1)
+    alloc.observe_site_power(2500.0, now_s)
+    result, now_s = drive(alloc, nodes, needs, now_s, 1)
+    assert result.emergency
+    after = sum(g.budget_w for g in result.grants)
+    assert after <= before * 2000 * 0.9 / 2500 + 1e-6
+    # No give-backs while the emergency hold lasts, even with the meter quiet again.
+    alloc.observe_site_power(1500.0, now_s)
+    result, now_s = drive(alloc, nodes, needs, now_s, 3)
+    assert sum(g.budget_w for g in result.grants) <= after + 1e-6
+
+
+def test_a_takeover_keeps_the_grants_in_force_and_outbids_their_epochs():
+    alloc, specs = make_fleet(2, 1000.0)
+    nodes = {s.node_id: SimNode(s) for s in specs}
+    drive(alloc, nodes, {"n0": 300, "n1": 700}, 0.0, 20)
+    held = nodes["n1"].grant
+    assert held.budget_w == pytest.approx(700, abs=1)
+    # The standby's clock runs 30 s behind its predecessor's.
+    standby, _ = make_fleet(2, 1000.0)
+    now_s = 40.0 - 30.0
+    for node_id, need in (("n0", 300.0), ("n1", 700.0)):
+        d = nodes[node_id].demand(need, 1.0, now_s)
+        standby.observe_demand(node_id, d)
+    result = standby.round(now_s)
+    grants = {g.node_id: g for g in result.grants}
+    assert result.epoch > held.epoch  # the nodes accept them
+    assert grants["n1"].budget_w == pytest.approx(held.budget_w)  # no cut to the floor
