@@ -94,3 +94,31 @@ def make_tiny_model_dir(
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def tiny_hf_llama(weight_std: float | None = None):
+    """A 2-layer random transformers Llama of vocab 96, in memory, no tokenizer (seed 0).
+
+    weight_std: redraw every matrix with this std (spreads the logits so greedy argmax has
+    clear winners); None keeps transformers' own init.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    if weight_std is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0, weight_std)
+    return model

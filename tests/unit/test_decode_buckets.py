@@ -18,6 +18,7 @@ from daemon.engine.decode_buckets import (
 )
 from daemon.engine.model import LlamaModel, StepLayout
 from daemon.engine.scheduler import ScheduledChunk, Sequence
+from tests.tiny_model import tiny_hf_llama
 
 
 def test_batch_bucket():
@@ -58,25 +59,7 @@ def test_pad_decode_layout():
 
 @pytest.fixture(scope="module")
 def hf_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
-    return model
+    return tiny_hf_llama(weight_std=0.15)
 
 
 def _prefilled(hf_model, backend: str):

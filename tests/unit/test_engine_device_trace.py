@@ -31,6 +31,7 @@ from daemon.engine.model import LlamaModel
 from daemon.engine.request import SamplingParams
 from daemon.engine.sampler import sample
 from daemon.engine.scheduler import ScheduledChunk, Sequence
+from tests.tiny_model import tiny_hf_llama
 
 CUDA0 = torch.device("cuda", 0)
 _SCALAR = torch.ops.aten._local_scalar_dense.default
@@ -81,20 +82,7 @@ class HostTraffic(TorchDispatchMode):
 
 @pytest.fixture(scope="module")
 def hf_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_hf_llama()
 
 
 def _chunks(kind: str) -> tuple[list[ScheduledChunk], dict[str, list[int]]]:
