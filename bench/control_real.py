@@ -18,7 +18,7 @@ from typing import Any
 from bench.control_systems import make_system
 from controller.policy import ControlMode, Policy
 from daemon.sim.calibration import Calibration, LevelFit, fit_steps
-from daemon.sim.run import RunResult, Sample, energy_sample
+from daemon.sim.run import RunResult, Sample, energy_sample, power_sample
 from daemon.sim.scenarios import RequestMix, Scenario, arrivals, prompt_tokens
 from daemon.sim.systems import PERIOD_S, Controlled
 
@@ -323,22 +323,9 @@ def run_real(
                 if now >= next_tick:
                     knobs = system.tick()
                     next_tick += PERIOD_S
-                tel, cur = energy_sample(device)
-                if cur[0] > last[0]:
-                    power = (cur[1] - last[1]) / (cur[0] - last[0])
-                    samples.append(
-                        Sample(
-                            cur[0] - t_start,
-                            power,
-                            budget,
-                            tel.gpu_temp_c or 0.0,
-                            tel.sm_clock_mhz or 0,
-                            engine.num_running,
-                            engine.num_waiting,
-                            dict(knobs),
-                        )
-                    )
-                    last = cur
+                sample, last = power_sample(device, last, t_start, budget, engine, knobs)
+                if sample is not None:
+                    samples.append(sample)
                 time.sleep(0.02)
         finally:
             engine.stop(abort_pending=True)

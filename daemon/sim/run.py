@@ -57,6 +57,26 @@ def energy_sample(device):
     return t, (boundary, t.energy_j or 0.0)
 
 
+def power_sample(device, last, t0_s: float, budget_w: float, engine, knobs: dict):
+    """The mean power since `last` (an energy_sample mark) as a Sample stamped t0_s
+    earlier, and the new mark; (None, last) while the counter is at the same boundary."""
+    tel, cur = energy_sample(device)
+    if cur[0] <= last[0]:
+        return None, last
+    power = (cur[1] - last[1]) / (cur[0] - last[0])
+    sample = Sample(
+        cur[0] - t0_s,
+        power,
+        budget_w,
+        tel.gpu_temp_c or 0.0,
+        tel.sm_clock_mhz or 0,
+        engine.num_running,
+        engine.num_waiting,
+        dict(knobs),
+    )
+    return sample, cur
+
+
 def run_scenario(
     scenario: Scenario,
     make_system: SystemFactory,
@@ -168,22 +188,9 @@ def _run(
             if (resume := engine.resume_at_s()) is not None:
                 upcoming.append(resume)
             clock.advance(max(min(min(upcoming) - clock(), 0.1), 1e-6))
-        tel, cur = energy_sample(device)
-        if cur[0] > last[0]:
-            power = (cur[1] - last[1]) / (cur[0] - last[0])
-            samples.append(
-                Sample(
-                    cur[0],
-                    power,
-                    budget,
-                    tel.gpu_temp_c or 0.0,
-                    tel.sm_clock_mhz or 0,
-                    engine.num_running,
-                    engine.num_waiting,
-                    dict(knobs),
-                )
-            )
-            last = cur
+        sample, last = power_sample(device, last, 0.0, budget, engine, knobs)
+        if sample is not None:
+            samples.append(sample)
     requests = []
     for r in reqs:
         requests.append((r.arrival_s, r.ttft_s, r.tpot_s if r.finish_s else None, r.generated))
