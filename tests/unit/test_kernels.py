@@ -68,19 +68,29 @@ def test_write_kv_puts_each_token_in_its_slot():
     assert k_cache.abs().sum() == pytest.approx(k.abs().sum().item(), rel=1e-6)
 
 
-def _mixed_step(seed: int, dtype: torch.dtype):
-    """A step of five sequences on a shuffled pool: decodes (one query after a context),
+# (block size, KV heads, query heads, head dim): a small shape the C++ kernel serves
+# row by row, and the shapes its tiled path serves (block 16, head dim 64 or 128) with
+# three and two query heads per KV head.
+SHAPES = {"small": (4, 2, 4, 16), "smollm2": (16, 3, 9, 64), "hd128": (16, 2, 4, 128)}
+
+
+def _mixed_step(seed: int, dtype: torch.dtype, shape: str = "small"):
+    """A step of sequences on a shuffled pool: decodes (one query after a context),
     a prefill from position 0, and chunks after cached tokens, some longer than a query
-    tile of the C++ kernel (16). Returns the kernel's arguments and each sequence's
-    (block table, query positions)."""
-    k_cache, v_cache = _random_cache(num_blocks=64, seed=seed)
-    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    tile of the C++ kernel (16) and ending inside a block. Returns the kernel's arguments
+    and each sequence's (block table, query positions)."""
+    bs, kvh, heads, d = SHAPES[shape]
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(64, bs, kvh, d, generator=g).to(dtype)
+    v_cache = torch.randn(64, bs, kvh, d, generator=g).to(dtype)
     rng = random.Random(seed)
     blocks = list(range(64))
     rng.shuffle(blocks)
     bs = k_cache.shape[1]
     # (cached tokens before the queries, query tokens)
     shapes = [(0, 1), (12, 1), (0, 21), (8, 6), (5, 40)]
+    if bs > 4:
+        shapes += [(40, 3), (0, 70), (33, 1), (17, 50)]
     seqs, q_rows, used = [], 0, 0
     for cached, n in shapes:
         ctx = cached + n
@@ -88,7 +98,7 @@ def _mixed_step(seed: int, dtype: torch.dtype):
         seqs.append((blocks[used : used + nb], list(range(cached, ctx)), q_rows))
         used += nb
         q_rows += n
-    q = torch.randn(q_rows, 4, 16, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    q = torch.randn(q_rows, heads, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
     width = max(len(t) for t, _, _ in seqs)
     bt = torch.tensor([t + [blocks[-1]] * (width - len(t)) for t, _, _ in seqs])
     query_start = torch.tensor([r for _, _, r in seqs] + [q_rows])
@@ -99,10 +109,11 @@ def _mixed_step(seed: int, dtype: torch.dtype):
 IMPLEMENTATIONS = {"dispatch": paged_attention, "torch": paged_attention_torch}
 
 
+@pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("impl", sorted(IMPLEMENTATIONS))
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)])
-def test_paged_attention_matches_reference(impl, dtype, tol):
-    args, seqs = _mixed_step(seed=3, dtype=dtype)
+def test_paged_attention_matches_reference(impl, dtype, tol, shape):
+    args, seqs = _mixed_step(seed=3, dtype=dtype, shape=shape)
     q, k_cache, v_cache = args[:3]
     out = IMPLEMENTATIONS[impl](*args, 0.25)
     assert out.shape == q.shape and out.dtype == dtype
@@ -148,10 +159,11 @@ def test_paged_decode_attention_matches_reference(dtype, tol):
         torch.testing.assert_close(out[b : b + 1].float(), ref, **tol)
 
 
-def test_the_cpu_kernel_is_built_here_and_serves_the_dispatch():
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_the_cpu_kernel_is_built_here_and_serves_the_dispatch(shape):
     # make test runs on a machine with g++: the fast path must really be the one tested.
     assert load_cpu_kernels()
-    args, _ = _mixed_step(seed=5, dtype=torch.float32)
+    args, _ = _mixed_step(seed=5, dtype=torch.float32, shape=shape)
     torch.testing.assert_close(
         torch.ops.wattserve.paged_attention(*args, 0.25),
         paged_attention_torch(*args, 0.25),

@@ -23,6 +23,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -56,6 +58,107 @@ struct WorkItem {
   int64_t q_end;
 };
 
+// exp(x) for x <= 0 (scores minus their running maximum), vectorizable: x = n ln2 + f ln2
+// with |f| <= 1/2, 2^f from its degree-6 Taylor polynomial (relative error below 2e-7),
+// 2^n from the exponent bits. Inputs below -87 give about 1e-38 rather than 0; callers
+// zero the masked keys themselves.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float t = x * 1.44269504f;
+  const float n = std::nearbyint(t);
+  const float f = t - n;
+  float p = 1.5403530e-4f;
+  p = p * f + 1.3333558e-3f;
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022651e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Rows of query heads whose scores are computed together against one transposed key
+// block: eight independent accumulator chains keep both FMA ports busy.
+constexpr int64_t kRowGroup = 8;
+constexpr int64_t kBlock = 16;  // the tiled path's block size (the engine's default)
+
+// The tiled path: per key block, the block's keys are transposed once into kt[D][16] so
+// that a row's 16 scores are one vector accumulated over D, exponentials are computed 16
+// at a time, and each value row is added into every row's output accumulator while it sits
+// in L1. Rows are the work item's (query token, query head) pairs, rows_padded of them in
+// qf (a multiple of kRowGroup, the padding rows zero); row r is at position
+// first_row_pos + r / G.
+template <typename scalar_t, int64_t D>
+void tiled_item(const float* qf, int64_t rows_padded, int64_t rows, int64_t G,
+                int64_t first_row_pos, const scalar_t* kp, const scalar_t* vp,
+                const int64_t* table, int64_t token_stride, int64_t block_stride,
+                int64_t kv_head, float* acc, float* m, float* l, float* kt) {
+  const int64_t last_pos = first_row_pos + (rows - 1) / G;
+  alignas(64) float s[kRowGroup][kBlock];
+  for (int64_t j = 0; j * kBlock <= last_pos; ++j) {
+    const int64_t base = j * kBlock;
+    const int64_t nk = std::min(kBlock, last_pos - base + 1);
+    const scalar_t* kb = kp + table[j] * block_stride + kv_head * D;
+    const scalar_t* vb = vp + table[j] * block_stride + kv_head * D;
+    for (int64_t o = 0; o < kBlock; ++o) {
+      const scalar_t* kr = kb + o * token_stride;
+      for (int64_t d = 0; d < D; ++d) kt[d * kBlock + o] = o < nk ? static_cast<float>(kr[d]) : 0.f;
+    }
+    // Rows whose position is before this block see none of its keys.
+    const int64_t first_row = std::max<int64_t>(0, (base - first_row_pos) * G);
+    for (int64_t g0 = (first_row / kRowGroup) * kRowGroup; g0 < rows_padded; g0 += kRowGroup) {
+      for (int64_t r = 0; r < kRowGroup; ++r)
+#pragma omp simd
+        for (int64_t o = 0; o < kBlock; ++o) s[r][o] = 0.f;
+      const float* qg = qf + g0 * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const float* kd = kt + d * kBlock;
+        for (int64_t r = 0; r < kRowGroup; ++r) {
+          const float qv = qg[r * D + d];
+#pragma omp simd
+          for (int64_t o = 0; o < kBlock; ++o) s[r][o] += qv * kd[o];
+        }
+      }
+      for (int64_t r = 0; r < kRowGroup && g0 + r < rows; ++r) {
+        const int64_t row = g0 + r;
+        const int64_t n = std::min(kBlock, first_row_pos + row / G - base + 1);  // causal
+        if (n <= 0) continue;
+        float mx = m[row];
+        for (int64_t o = 0; o < n; ++o) mx = std::max(mx, s[r][o]);
+        alignas(64) float p[kBlock];
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t o = 0; o < kBlock; ++o) {
+          const float e = exp_nonpositive(s[r][o] - mx);
+          p[o] = o < n ? e : 0.f;
+          sum += p[o];
+        }
+        // The first block: m is -inf, and there is nothing to rescale.
+        const float corr = m[row] == -std::numeric_limits<float>::infinity()
+                               ? 0.f
+                               : exp_nonpositive(m[row] - mx);
+        float a[D];
+        float* ar = acc + row * D;
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) a[i] = ar[i] * corr;
+        for (int64_t o = 0; o < n; ++o) {
+          const scalar_t* vr = vb + o * token_stride;
+          const float po = p[o];
+#pragma omp simd
+          for (int64_t i = 0; i < D; ++i) a[i] += po * static_cast<float>(vr[i]);
+        }
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) ar[i] = a[i];
+        m[row] = mx;
+        l[row] = l[row] * corr + sum;
+      }
+    }
+  }
+}
+
 template <typename scalar_t>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& query_start,
@@ -73,6 +176,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t* cl = context_lens.data_ptr<int64_t>();
   const int64_t token_stride = KVH * D;  // between two tokens of a block
   const int64_t block_stride = bs * KVH * D;
+  // The tiled path serves the engine's block size and the common head sizes; other
+  // shapes take the row-by-row path.
+  const bool tiled = bs == kBlock && (D == 64 || D == 128);
 
   std::vector<WorkItem> work;
   for (int64_t b = 0; b < B; ++b) {
@@ -90,8 +196,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t grain = keys_x_rows < kSerialKeysTimesRows ? std::max<int64_t>(items, 1) : 1;
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     const int64_t rows_max = kQueryTile * G;
-    std::vector<float> qf(rows_max * D), acc(rows_max * D), m(rows_max), l(rows_max);
-    std::vector<float> s(bs);
+    const int64_t rows_cap = (rows_max + kRowGroup - 1) / kRowGroup * kRowGroup;
+    std::vector<float> qf(rows_cap * D), acc(rows_cap * D), m(rows_cap), l(rows_cap);
+    std::vector<float> s(bs), kt(tiled ? D * kBlock : 0);
     for (int64_t w = begin; w < end; ++w) {
       const WorkItem& it = work[w];
       const int64_t nq = qs[it.seq + 1] - qs[it.seq];
@@ -107,34 +214,48 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       std::fill(l.begin(), l.begin() + rows, 0.f);
       const int64_t last_pos = first_pos + it.q_end - 1;
       const int64_t* table = bt + it.seq * NB;
-      for (int64_t j = 0; j * bs <= last_pos; ++j) {
-        const int64_t base = j * bs;
-        const scalar_t* kb = kp + table[j] * block_stride + it.kv_head * D;
-        const scalar_t* vb = vp + table[j] * block_stride + it.kv_head * D;
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t pos = first_pos + it.q_begin + r / G;
-          const int64_t n = std::min(bs, pos - base + 1);  // causal: keys up to pos
-          if (n <= 0) continue;
-          const float* qr = qf.data() + r * D;
-          float mx = m[r];
-          for (int64_t o = 0; o < n; ++o) {
-            s[o] = dot_row(qr, kb + o * token_stride, D);
-            mx = std::max(mx, s[o]);
-          }
-          float* ar = acc.data() + r * D;
-          const float corr = std::exp(m[r] - mx);  // exp(-inf) = 0 on the first block
-          float sum = l[r] * corr;
-          if (corr != 1.f) {
+      if (tiled) {
+        const int64_t rows_padded = (rows + kRowGroup - 1) / kRowGroup * kRowGroup;
+        std::fill(qf.begin() + rows * D, qf.begin() + rows_padded * D, 0.f);
+        const int64_t row_pos = first_pos + it.q_begin;
+        if (D == 64)
+          tiled_item<scalar_t, 64>(qf.data(), rows_padded, rows, G, row_pos, kp, vp, table,
+                                   token_stride, block_stride, it.kv_head, acc.data(), m.data(),
+                                   l.data(), kt.data());
+        else
+          tiled_item<scalar_t, 128>(qf.data(), rows_padded, rows, G, row_pos, kp, vp, table,
+                                    token_stride, block_stride, it.kv_head, acc.data(), m.data(),
+                                    l.data(), kt.data());
+      } else {
+        for (int64_t j = 0; j * bs <= last_pos; ++j) {
+          const int64_t base = j * bs;
+          const scalar_t* kb = kp + table[j] * block_stride + it.kv_head * D;
+          const scalar_t* vb = vp + table[j] * block_stride + it.kv_head * D;
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t pos = first_pos + it.q_begin + r / G;
+            const int64_t n = std::min(bs, pos - base + 1);  // causal: keys up to pos
+            if (n <= 0) continue;
+            const float* qr = qf.data() + r * D;
+            float mx = m[r];
+            for (int64_t o = 0; o < n; ++o) {
+              s[o] = dot_row(qr, kb + o * token_stride, D);
+              mx = std::max(mx, s[o]);
+            }
+            float* ar = acc.data() + r * D;
+            const float corr = std::exp(m[r] - mx);  // exp(-inf) = 0 on the first block
+            float sum = l[r] * corr;
+            if (corr != 1.f) {
 #pragma omp simd
-            for (int64_t i = 0; i < D; ++i) ar[i] *= corr;
+              for (int64_t i = 0; i < D; ++i) ar[i] *= corr;
+            }
+            for (int64_t o = 0; o < n; ++o) {
+              const float p = std::exp(s[o] - mx);
+              sum += p;
+              axpy_row(ar, p, vb + o * token_stride, D);
+            }
+            m[r] = mx;
+            l[r] = sum;
           }
-          for (int64_t o = 0; o < n; ++o) {
-            const float p = std::exp(s[o] - mx);
-            sum += p;
-            axpy_row(ar, p, vb + o * token_stride, D);
-          }
-          m[r] = mx;
-          l[r] = sum;
         }
       }
       for (int64_t i = 0; i < it.q_end - it.q_begin; ++i) {
