@@ -1,14 +1,14 @@
 """The bridge between one HTTP request and its engine sequence.
 
-The engine calls a request's sink on its own thread; the sink here hops each event onto
-the asyncio loop through a queue (loop.call_soon_threadsafe), so handlers simply await
-events. The bridge also owns the request's admission slot and measures it where the
-client sees it, on the API side: it publishes FirstToken and, once, RequestFinished
+The engine hands over each step's events together (Engine.set_delivery); the delivery
+installed here crosses to the asyncio loop once per step (loop.call_soon_threadsafe) and
+puts each event in its request's queue there, so handlers simply await events. The
+bridge also owns the request's admission slot and measures it where the client sees it,
+on the API side: it publishes FirstToken and, once, RequestFinished
 (daemon/request_events.py) to the subscribers on the serving state, and observes each
-token gap (ITL) into the metrics itself. Closing a
-stream that has not finished aborts its sequence in the engine (client gone, drain
-timeout), which frees its KV blocks at the top of the next engine step. No tensors and
-no HTTP formatting here.
+token gap (ITL) into the metrics itself. Closing a stream that has not finished aborts
+its sequence in the engine (client gone, drain timeout), which frees its KV blocks at the
+top of the next engine step. No tensors and no HTTP formatting here.
 """
 
 from __future__ import annotations
@@ -17,12 +17,40 @@ import asyncio
 import time
 
 from daemon.api.state import ServingState
+from daemon.engine.engine import Engine, Sink
 from daemon.engine.request import InvalidRequestError, RequestOutput, SamplingParams
 from daemon.request_events import FirstToken, RequestFinished
 
 
 class ClientGone(Exception):
     """The HTTP client disconnected before its answer was complete."""
+
+
+class LoopDelivery:
+    """The engine's delivery for requests served on one asyncio loop: a step's events
+    cross threads in one call_soon_threadsafe, and each sink then runs on the loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    # Runs on the engine thread: it must never raise into the engine's step.
+    def __call__(self, batch: list[tuple[Sink, RequestOutput]]) -> None:
+        try:
+            self.loop.call_soon_threadsafe(_run_sinks, batch)
+        except RuntimeError:
+            pass  # the loop is closed: the process is exiting and nobody listens
+
+
+def _run_sinks(batch: list[tuple[Sink, RequestOutput]]) -> None:
+    for sink, out in batch:
+        sink(out)
+
+
+def _deliver_on(engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+    """Make sure the engine delivers to this loop (the first request installs it)."""
+    current = engine.delivery
+    if not (isinstance(current, LoopDelivery) and current.loop is loop):
+        engine.set_delivery(LoopDelivery(loop))
 
 
 class GenerationStream:
@@ -43,12 +71,9 @@ class GenerationStream:
         self._last_token_s: float | None = None
         self._closed = False
 
-    # Runs on the engine thread: it must never raise into the engine's step.
+    # Runs on the loop, called by LoopDelivery.
     def sink(self, out: RequestOutput) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
-        except RuntimeError:
-            pass  # the loop is closed: the process is exiting and nobody listens
+        self._queue.put_nowait(out)
 
     @property
     def finished(self) -> bool:
@@ -146,6 +171,7 @@ def start_generation(
     stream = GenerationStream(state, request_id, arrival_s)
     stream.prompt_tokens = len(prompt_token_ids)
     state.live[request_id] = stream
+    _deliver_on(engine, stream._loop)  # type: ignore[arg-type]
     try:
         engine.add_request(prompt_token_ids, params, stream.sink, request_id=request_id)  # type: ignore[union-attr]
     except InvalidRequestError:

@@ -2,8 +2,10 @@
 
 Requests come in from any thread through add_request/abort (validated there, queued
 for the loop); the loop thread alone owns the scheduler, the KV cache and the model.
-Each request's events go out through the sink callable it brought (the API wraps an
-asyncio queue in one). Batch limits and decode pacing change through set_limits() and the
+Each request's events go out through the sink callable it brought, handed over once per
+step: the step's (sink, event) pairs go together to the delivery function (by default each
+sink is called in turn on the loop thread; the API installs one that crosses to its asyncio
+loop in a single call). Batch limits and decode pacing change through set_limits() and the
 weight quantization level through set_quant_level(), each read once at the top of each step;
 per-step statistics go to registered step hooks. Nothing here awaits, and nothing here
 speaks HTTP.
@@ -38,6 +40,17 @@ from wattserve_kernels.quant import QuantLevelError, level_unavailable_reason, p
 log = logging.getLogger(__name__)
 
 Sink = Callable[[RequestOutput], None]
+# Receives every (sink, event) pair of one step, in order, on the engine's loop thread.
+Delivery = Callable[[list[tuple[Sink, RequestOutput]]], None]
+
+
+def call_each(batch: list[tuple[Sink, RequestOutput]]) -> None:
+    """The default delivery: each sink called in turn, here on the engine's thread."""
+    for sink, out in batch:
+        try:
+            sink(out)
+        except Exception:
+            log.exception("request %s: its sink failed", out.request_id)
 
 # What a request hears when the loop thread died under it (the details go to the log).
 ENGINE_FAULT_MESSAGE = "the engine failed; the server is restarting"
@@ -202,6 +215,8 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, _Request] = {}
         self._hooks: list[Callable[[StepStats], None]] = []
+        self._outbox: list[tuple[Sink, RequestOutput]] = []  # this step's events
+        self.delivery: Delivery = call_each
         self._fault_hooks: list[Callable[[BaseException], None]] = []
         # Held while a request is queued and while the dying loop empties the queue, so
         # that no request lands in a queue that nobody will read again.
@@ -319,6 +334,24 @@ class Engine:
             self._weight_bytes = self.model.weight_bytes()
             log.info("quantization level %s -> %s", previous, target)
 
+    def set_delivery(self, delivery: Delivery) -> None:
+        """delivery(batch) receives each step's events at the end of that step (and
+        those of aborts and failures outside a step), on the engine's loop thread."""
+        self.delivery = delivery
+
+    def _send(self, sink: Sink, out: RequestOutput) -> None:
+        self._outbox.append((sink, out))
+
+    def _flush(self) -> None:
+        """Hand this step's events to the delivery function in one call."""
+        if not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
+        try:
+            self.delivery(batch)
+        except Exception:  # a consumer's bug must not stop the step loop
+            log.exception("delivering %d request events failed", len(batch))
+
     def add_step_hook(self, hook: Callable[[StepStats], None]) -> None:
         """hook(stats) runs on the loop thread after every step; it may sleep (virtual GPU)."""
         self._hooks.append(hook)
@@ -428,7 +461,14 @@ class Engine:
                 return
 
     def step(self, block_s: float = 0.0) -> StepStats | None:
-        """Run one engine iteration; returns None when there was nothing to compute."""
+        """Run one engine iteration; returns None when there was nothing to compute.
+        Its events (tokens, finishes, aborts) are delivered together at its end."""
+        try:
+            return self._step(block_s)
+        finally:
+            self._flush()
+
+    def _step(self, block_s: float) -> StepStats | None:
         self._drain_inbox(0.0 if self._requests else block_s)
         pause_s = self.pacing_wait_s()
         if pause_s > 0:
@@ -576,7 +616,8 @@ class Engine:
         if reason is not None:
             self._finish(req, reason, last_token=token, last_logprob=lp, prompt_logprobs=prompt_lps)
             return True
-        req.sink(
+        self._send(
+            req.sink,
             RequestOutput(
                 seq.seq_id,
                 [token],
@@ -603,7 +644,8 @@ class Engine:
         self._requests.pop(seq.seq_id, None)
         self.counters.requests_finished[reason] += 1
         text = req.detok.take(final=True) if reason != "error" else ""
-        req.sink(
+        self._send(
+            req.sink,
             RequestOutput(
                 seq.seq_id,
                 [last_token] if last_token is not None else [],
@@ -655,6 +697,7 @@ class Engine:
                     pending.append(payload)
         for req in pending:
             self._fail(req, ENGINE_FAULT_MESSAGE)
+        self._flush()
         for hook in self._fault_hooks:
             try:
                 hook(error)
@@ -665,21 +708,19 @@ class Engine:
         """End a request with an error without the scheduler (the loop is gone)."""
         seq = req.seq
         self.counters.requests_finished["error"] += 1
-        try:
-            req.sink(
-                RequestOutput(
-                    seq.seq_id,
-                    [],
-                    "",
-                    finished=True,
-                    finish_reason="error",
-                    error=error,
-                    prompt_tokens=len(seq.prompt_token_ids),
-                    completion_tokens=len(seq.output_token_ids),
-                )
-            )
-        except Exception:
-            log.exception("request %s: its sink failed", seq.seq_id)
+        self._send(
+            req.sink,
+            RequestOutput(
+                seq.seq_id,
+                [],
+                "",
+                finished=True,
+                finish_reason="error",
+                error=error,
+                prompt_tokens=len(seq.prompt_token_ids),
+                completion_tokens=len(seq.output_token_ids),
+            ),
+        )
 
     def stop(self, abort_pending: bool = True, timeout_s: float = 10.0) -> None:
         """Stop the loop thread; pending requests are aborted (their sinks hear it)."""
@@ -691,6 +732,7 @@ class Engine:
             self._drain_inbox(0.0)
             for req in list(self._requests.values()):
                 self._finish(req, "abort")
+            self._flush()
 
     @property
     def is_running(self) -> bool:

@@ -186,6 +186,37 @@ def test_abort_frees_blocks_within_one_step(tiny_llama):
     assert engine.kv.num_used_blocks == 0 and engine.num_running == 0
 
 
+def test_each_step_hands_its_events_over_in_one_delivery(tiny_llama):
+    engine = Engine(
+        tiny_llama, EngineOptions(kv_cache_bytes=64 * block_bytes(tiny_llama)), device=DEVICE
+    )
+    batches: list[list[tuple[object, RequestOutput]]] = []
+    engine.set_delivery(batches.append)
+    seen: dict[str, list[int]] = {}
+
+    def sink(out: RequestOutput) -> None:
+        seen.setdefault(out.request_id, []).extend(out.token_ids)
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request([3 + i] * 5, params, sink) for i in range(4)]
+    steps = 0
+    while engine.has_work():
+        before = len(batches)
+        if engine.step() is not None:
+            steps += 1
+            # One delivery per step, carrying every running request's token (or finish).
+            assert len(batches) == before + 1
+            assert {out.request_id for _, out in batches[-1]} == set(ids)
+    assert steps == 6 and len(batches) == 6
+    for batch in batches:  # nothing was called before the delivery ran
+        assert all(sink_ is sink for sink_, _ in batch)
+    assert not seen
+    for batch in batches:
+        for sink_, out in batch:
+            sink_(out)
+    assert sorted(seen) == sorted(ids) and all(len(t) == 6 for t in seen.values())
+
+
 def test_nan_in_one_request_fails_it_alone(tiny_llama):
     engine = Engine(
         tiny_llama, EngineOptions(kv_cache_bytes=64 * block_bytes(tiny_llama)), device=DEVICE

@@ -197,3 +197,44 @@ def test_openapi_documents_400_and_error_body_not_422() -> None:
 def test_docs_can_be_turned_off() -> None:
     app = create_app(ServingState(load_config(None, {"server": {"docs_enabled": False}}), None))
     assert app.openapi_url is None and app.docs_url is None
+
+
+def test_loop_delivery_crosses_to_the_loop_once_per_step():
+    import asyncio
+    import threading
+
+    from daemon.api.generation import LoopDelivery
+    from daemon.engine.request import RequestOutput
+
+    loop = asyncio.new_event_loop()
+    crossings = []
+    real = loop.call_soon_threadsafe
+
+    def counting(callback, *args):
+        crossings.append(callback)
+        return real(callback, *args)
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    got: dict[str, list[str]] = {"a": [], "b": []}
+    on_loop: list[bool] = []
+
+    def sink_for(name):
+        def sink(out: RequestOutput) -> None:
+            on_loop.append(threading.current_thread() is threading.main_thread())
+            got[name].append(out.text)
+
+        return sink
+
+    step = [
+        (sink_for("a"), RequestOutput("a", [1], "x")),
+        (sink_for("b"), RequestOutput("b", [2], "y")),
+        (sink_for("a"), RequestOutput("a", [3], "z", finished=True)),
+    ]
+    worker = threading.Thread(target=LoopDelivery(loop), args=(step,))
+    worker.start()
+    worker.join()
+    assert len(crossings) == 1 and not got["a"]  # one hop for the whole step, nothing run yet
+    loop.run_until_complete(asyncio.sleep(0))
+    loop.close()
+    assert got == {"a": ["x", "z"], "b": ["y"]} and on_loop == [True, True, True]
+    LoopDelivery(loop)(step)  # a closed loop: the engine thread hears nothing
