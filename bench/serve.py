@@ -495,11 +495,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=4,
         help="VLLM_CPU_KVCACHE_SPACE for the vLLM peer (its own default is 4)",
     )
+    p.add_argument(
+        "--sweep-rates",
+        type=_rates,
+        default=(),
+        metavar="R1,R2,...",
+        help="also run the workload at each of these request rates (other prompts per rate, "
+        "the same for every server) and report goodput at each",
+    )
     p.add_argument("--max-num-seqs", type=int, default=None, help="passed to wattserve serve")
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="passed to wattserve serve"
     )
     return p
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(r) for r in text.split(",") if r.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of rates: {text!r}") from None
+    if not rates or any(not (r > 0 and math.isfinite(r)) for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must be finite and above 0: {text!r}")
+    return rates
 
 
 def _count_tokens_fn(model_dir: Path | None):
@@ -571,6 +589,21 @@ def main(argv: list[str] | None = None) -> int:
                 count_tokens,
             )
         )
+    # Per rate other prompts (seed + 2 + i), so no pass finds the last one's in a prefix cache.
+    sweep = [
+        (
+            rate,
+            build_workload(
+                args.num_prompts,
+                args.prompt_len,
+                args.output_len,
+                rate,
+                args.seed + 2 + i,
+                count_tokens,
+            ),
+        )
+        for i, rate in enumerate(args.sweep_rates)
+    ]
     report: dict[str, Any] = {
         "bench": "serve",
         "model": args.served_model if args.url else args.model,
@@ -614,9 +647,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_num_batched_tokens:
             argv_ours += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         ours = ServerRun("wattserve", argv_ours, _env(args.threads), "/ready")
-        report["ours"], report["ours_saturated"], report["ours_peak_rss_mb"] = _run_managed(
-            ours, specs, saturated, args
-        )
+        results = _run_managed(ours, specs, saturated, args, sweep)
+        report["ours"], report["ours_saturated"], report["ours_peak_rss_mb"] = results[:3]
+        if sweep:
+            report["ours_sweep"] = results[3]
         if args.vs_transformers:
             argv_peer = [
                 sys.executable,
@@ -639,22 +673,23 @@ def main(argv: list[str] | None = None) -> int:
             peer = ServerRun(
                 "transformers-serve", argv_peer, _env(args.threads), "/health", str(model_dir)
             )
-            report["peer"], report["peer_saturated"], report["peer_peak_rss_mb"] = _run_managed(
-                peer, specs, saturated, args
-            )
+            results = _run_managed(peer, specs, saturated, args)
+            report["peer"], report["peer_saturated"], report["peer_peak_rss_mb"] = results[:3]
         if vllm_paths is not None:
             env = vllm_peer.peer_env_base()
             env.update(vllm_env)
             argv_vllm = vllm_peer.server_argv(vllm_paths, model_dir, args.dtype, free_port())
             run = ServerRun("vllm", argv_vllm, env, "/health", None, VLLM_READY_TIMEOUT_S)
             try:
-                results = _run_managed(run, specs, saturated, args)
+                results = _run_managed(run, specs, saturated, args, sweep)
             except RuntimeError as e:
                 print(str(e)[-1500:], file=sys.stderr)
                 first = (str(e).strip().splitlines() or [""])[0][:300]
                 print(f"wattserve bench serve: error: vLLM failed: {first}", file=sys.stderr)
                 return 1
-            report["vllm"], report["vllm_saturated"], report["vllm_peak_rss_mb"] = results
+            report["vllm"], report["vllm_saturated"], report["vllm_peak_rss_mb"] = results[:3]
+            if sweep:
+                report["vllm_sweep"] = results[3]
             report["vllm_version"] = vllm_peer.VLLM_CPU_VERSION
             report["vllm_env"] = {
                 k: vllm_env[k] for k in sorted(vllm_env) if "CPU" in k or k == "LD_PRELOAD"
@@ -691,6 +726,14 @@ def ratios(report: dict[str, Any]) -> dict[str, float | None]:
             get("ours_saturated", "output_throughput_tok_s"),
             get("vllm_saturated", "output_throughput_tok_s"),
         )
+        if report.get("ours_sweep") and report.get("vllm_sweep"):
+            per_rate = {
+                rate: _ratio(ours["goodput_rps"], report["vllm_sweep"][rate]["goodput_rps"])
+                for rate, ours in report["ours_sweep"].items()
+            }
+            out["sweep_goodput_ratio_vs_vllm"] = per_rate
+            known = [r for r in per_rate.values() if r is not None]
+            out["sweep_min_goodput_ratio_vs_vllm"] = min(known) if known else None
     return out
 
 
@@ -699,6 +742,7 @@ def _print_ratios(report: dict[str, Any]) -> None:
         ("goodput_ratio", "goodput, ours / transformers serve"),
         ("goodput_ratio_vs_vllm", "goodput at the given rate, ours / vLLM"),
         ("ratio_vs_vllm_tok_s", "output tok/s at saturation, ours / vLLM"),
+        ("sweep_goodput_ratio_vs_vllm", "goodput per request rate, ours / vLLM"),
     ):
         if report.get(key) is not None:
             print(f"== {what}: {report[key]}", file=sys.stderr)
@@ -729,10 +773,12 @@ class ServerRun:
         return int(self.argv[self.argv.index("--port") + 1])
 
 
-def _run_managed(run: ServerRun, specs, saturated, args):
-    """Start one server, run the workload (and the saturated one), stop it."""
+def _run_managed(run: ServerRun, specs, saturated, args, sweep=()):
+    """Start one server, run the workload (the saturated one, each sweep rate's), stop it.
+    Returns (summary, saturated summary, peak RSS MB, {rate: summary})."""
     server = ManagedServer(run.name, run.argv, run.port, run.env, run.ready_timeout_s)
     summary_sat = None
+    swept: dict[str, dict[str, Any]] = {}
     try:
         server.wait_ready(run.ready_path)
         served = run.model or httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
@@ -744,6 +790,9 @@ def _run_managed(run: ServerRun, specs, saturated, args):
         if saturated:
             print(f"-- {run.name}: {len(saturated)} requests at once", file=sys.stderr)
             summary_sat = _bench(server.url, served, saturated, args)
+        for rate, rate_specs in sweep:
+            print(f"-- {run.name}: {len(rate_specs)} requests at {rate} req/s", file=sys.stderr)
+            swept[str(rate)] = _bench(server.url, served, rate_specs, args)
     finally:
         run.log_text = server.log_text()
         code = server.stop()
@@ -752,4 +801,7 @@ def _run_managed(run: ServerRun, specs, saturated, args):
     if summary_sat is not None:
         summary_sat["exit_code"] = code
         _print_table(f"{run.name}, saturated", summary_sat)
-    return summary, summary_sat, server.peak_rss_mb
+    for rate, part in swept.items():
+        part["exit_code"] = code
+        _print_table(f"{run.name}, {rate} req/s", part)
+    return summary, summary_sat, server.peak_rss_mb, swept

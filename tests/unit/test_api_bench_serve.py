@@ -149,13 +149,13 @@ def test_vs_vllm_json_line(
         "vllm": (_summary(0.8, 35.0), _summary(0.3, 100.0), 2500.0),
     }
 
-    def fake_run(run, specs, saturated, _args):
+    def fake_run(run, specs, saturated, _args, sweep=()):
         seen.append((run.name, [s.send_at_s for s in specs], [s.send_at_s for s in saturated]))
         if run.name == "vllm":
             assert run.env["VLLM_CPU_OMP_THREADS_BIND"] and run.env["HF_HUB_OFFLINE"] == "1"
             assert run.argv[run.argv.index("--dtype") + 1] == "float32"
             run.log_text = "local_rank=0, core ids=[0]\n"
-        return canned[run.name]
+        return (*canned[run.name], {})
 
     monkeypatch.setattr(serve, "_run_managed", fake_run)
     argv = ["--vs-vllm", "--threads", "1", "--num-prompts", "4", "--request-rate", "1.5"]
@@ -170,3 +170,40 @@ def test_vs_vllm_json_line(
     assert report["vllm_version"] == vllm_peer.VLLM_CPU_VERSION
     assert (report["ours_peak_rss_mb"], report["vllm_peak_rss_mb"]) == (900.0, 2500.0)
     assert report["vllm_env"]["VLLM_CPU_KVCACHE_SPACE"] == "4"
+
+
+def test_vs_vllm_sweep_reports_goodput_per_rate(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """--sweep-rates: each server gets the same prompts per rate, other prompts per rate,
+    and the JSON line gives ours / vLLM goodput at each rate and the smallest ratio."""
+    monkeypatch.setenv("WATTSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(
+        vllm_peer, "ensure_installed", lambda *_a, **_k: vllm_peer.PeerPaths(tmp_path)
+    )
+    monkeypatch.setattr(serve, "model_directory", lambda *_a: tmp_path)
+    monkeypatch.setattr(serve, "_count_tokens_fn", lambda _d: _count_words)
+    goodput = {"wattserve": {0.5: 0.5, 2.0: 1.2}, "vllm": {0.5: 0.5, 2.0: 1.5}}
+    workloads: dict[str, list] = {}
+
+    def fake_run(run, specs, saturated, _args, sweep=()):
+        workloads[run.name] = [(rate, [s.prompt for s in rs]) for rate, rs in sweep]
+        swept = {str(rate): _summary(goodput[run.name][rate], 30.0) for rate, _ in sweep}
+        return _summary(0.5, 30.0), _summary(0.5, 30.0), 1.0, swept
+
+    monkeypatch.setattr(serve, "_run_managed", fake_run)
+    argv = ["--vs-vllm", "--num-prompts", "3", "--sweep-rates", "0.5,2"]
+    assert serve.main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert workloads["wattserve"] == workloads["vllm"]
+    assert [rate for rate, _ in workloads["vllm"]] == [0.5, 2.0]
+    assert workloads["vllm"][0][1] != workloads["vllm"][1][1]
+    assert report["sweep_goodput_ratio_vs_vllm"] == {"0.5": 1.0, "2.0": 0.8}
+    assert report["sweep_min_goodput_ratio_vs_vllm"] == pytest.approx(0.8)
+    assert set(report["ours_sweep"]) == {"0.5", "2.0"}
+
+
+@pytest.mark.parametrize("text", ["", "0", "1,x", "inf", "-1"])
+def test_sweep_rates_must_be_positive_numbers(text: str) -> None:
+    with pytest.raises(SystemExit):
+        serve.build_parser().parse_args(["--sweep-rates", text])
