@@ -181,3 +181,65 @@ def test_stop_string_kept_with_include_stop(tok):
             if stopped:
                 break
         assert stopped and text + detok.take(final=True) == want
+
+
+def _frequencies(logits, params, draws=4000, seed=0):
+    """How often each token is drawn for each row, the rows sampled together each time."""
+    gens = [make_generator(seed + i) for i in range(len(params))]
+    counts = torch.zeros(logits.shape)
+    for _ in range(draws):
+        for row, tok in enumerate(sample(logits, params, gens)):
+            counts[row, tok] += 1
+    return counts / draws
+
+
+def _expected(logits_row, p):
+    """The distribution each row must be drawn from, by the definitions: top-k, then top-p
+    and min-p on the probabilities renormalized over the top k."""
+    values, idx = torch.sort(logits_row / p.temperature, descending=True)
+    if p.top_k:
+        values, idx = values[: p.top_k], idx[: p.top_k]
+    probs = torch.softmax(values, -1)
+    keep = (probs.cumsum(-1) - probs) < p.top_p
+    keep &= probs >= p.min_p * probs[0]
+    keep[0] = True
+    probs = probs * keep
+    out = torch.zeros_like(logits_row)
+    out[idx] = probs / probs.sum()
+    return out
+
+
+def test_rows_sampled_together_follow_each_rows_own_distribution():
+    logits = torch.randn(4, 12, generator=torch.Generator().manual_seed(3)) * 2
+    params = [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.3, top_k=4),
+        SamplingParams(temperature=1.0, top_p=0.8),
+        SamplingParams(temperature=0.9, top_k=6, top_p=0.9, min_p=0.05),
+    ]
+    freq = _frequencies(logits, params)
+    for row, p in enumerate(params):
+        expected = _expected(logits[row], p)
+        assert (freq[row][expected == 0] == 0).all()  # never outside the kept set
+        # 4000 draws: a standard error below 0.008 per token; 0.035 is over four of them.
+        assert torch.allclose(freq[row], expected, atol=0.035), (row, freq[row], expected)
+
+
+def test_a_nucleus_past_the_candidates_is_still_drawn_from_the_whole_vocabulary():
+    # Flat logits over 3000 tokens: top_p 0.9 keeps ~2700 of them, past the top 1024.
+    logits = torch.zeros(1, 3000)
+    logits[0, 2900:] = -30.0  # the last 100 tokens hold almost no mass
+    gens = [make_generator(1)]
+    drawn = {sample(logits, [SamplingParams(top_p=0.9)], gens)[0] for _ in range(3000)}
+    assert max(drawn) < 2900 and len(drawn) > 1200  # far more than 1024 distinct tokens
+
+
+def test_a_seeded_row_draws_the_same_tokens_whatever_shares_its_steps():
+    logits = torch.randn(3, 200, generator=torch.Generator().manual_seed(5))
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=11)
+    alone_gen = make_generator(11)
+    alone = [sample(logits[:1], [seeded], [alone_gen])[0] for _ in range(20)]
+    shared_gens = [make_generator(11), make_generator(1), make_generator(2)]
+    others = [SamplingParams(temperature=0.5), SamplingParams(temperature=2.0, top_k=3)]
+    shared = [sample(logits, [seeded, *others], shared_gens)[0] for _ in range(20)]
+    assert alone == shared
