@@ -25,7 +25,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("paged_attention.cpp",)
+_SOURCES = ("paged_attention.cpp", "fused_rows.cpp")
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU build; without it the kernel runs
 # on one thread whatever torch.get_num_threads() says.
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
@@ -90,3 +90,15 @@ def _register_fake() -> None:
     @torch.library.register_fake("wattserve::paged_attention")
     def _(q, k_cache, v_cache, block_tables, query_start, context_lens, scale):
         return torch.empty_like(q)
+
+    @torch.library.register_fake("wattserve::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("wattserve::add_rms_norm")
+    def _(residual, addend, weight, eps):
+        return torch.empty_like(residual)
+
+    @torch.library.register_fake("wattserve::silu_mul")
+    def _(gate_up):
+        return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)

@@ -1,5 +1,7 @@
-"""RMSNorm and rotary position embedding for the Llama-family forward.
+"""RMSNorm, rotary position embedding and the SiLU gate for the Llama-family forward.
 
+On the CPU, RMSNorm (alone or after the residual add) and SiLU x up run as one-pass C++
+ops (csrc/fused_rows.cpp); elsewhere, or where they could not be built, torch's own.
 Each fast path has a plain-torch reference (`*_reference`) that tests compare against.
 These functions are pure tensor math: no model state, no KV cache, no scheduling.
 """
@@ -9,10 +11,41 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from wattserve_kernels.extension import load_cpu_kernels
+
+
+def _fused(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.is_contiguous() and load_cpu_kernels()
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [T, hidden] -> [T, hidden]; fused norm from torch."""
+    """x: [T, hidden] -> [T, hidden]."""
+    if _fused(x):
+        return torch.ops.wattserve.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def add_rms_norm(
+    residual: torch.Tensor, addend: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """residual += addend (in place), then rms_norm(residual): both [T, hidden]."""
+    if _fused(residual) and addend.is_contiguous():
+        return torch.ops.wattserve.add_rms_norm(residual, addend, weight, eps)
+    residual.add_(addend)
+    return F.rms_norm(residual, (residual.shape[-1],), weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2 * inter], gate then up -> silu(gate) * up, [T, inter]."""
+    if _fused(gate_up):
+        return torch.ops.wattserve.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (gate * torch.sigmoid(gate) * up).to(gate_up.dtype)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -33,7 +33,7 @@ from wattserve_kernels.attention import (
 )
 from wattserve_kernels.extension import load_cpu_kernels
 from wattserve_kernels.linear import Linear
-from wattserve_kernels.norm_rope import RotaryTable, apply_rope, rms_norm
+from wattserve_kernels.norm_rope import RotaryTable, add_rms_norm, apply_rope, rms_norm, silu_mul
 from wattserve_kernels.quant import (
     LinearLike,
     full_precision_level,
@@ -415,9 +415,10 @@ class LlamaModel:
         t = inp.input_ids.shape[0]
         active = self._active  # read once: a level switch lands between two calls
         cos, sin = self.rope.lookup(inp.positions)
-        hidden = F.embedding(inp.input_ids, self.embed)  # [T, hidden]
-        for i, lw in enumerate(active.layers):
-            x = rms_norm(hidden, lw.input_norm, s.rms_norm_eps)
+        hidden = F.embedding(inp.input_ids, self.embed)  # [T, hidden], the residual stream
+        layers = active.layers
+        x = rms_norm(hidden, layers[0].input_norm, s.rms_norm_eps)
+        for i, lw in enumerate(layers):
             qkv = lw.qkv(x)  # [T, (H + 2 KVH) D]
             # q and k sit side by side in qkv: rotate them in one call.
             # split/narrow rather than Python slicing: see apply_rope
@@ -427,12 +428,12 @@ class LlamaModel:
             v = v_flat.view(t, s.num_kv_heads, s.head_dim)
             write_kv(self.k_cache[i], self.v_cache[i], inp.slots, k, v)
             attn = self._attention(i, q, inp)  # [T, H, D]
-            hidden = hidden + lw.o(attn.reshape(t, h_dim))
-            x = rms_norm(hidden, lw.post_norm, s.rms_norm_eps)
-            gate_up = lw.gate_up(x)  # [T, 2 * inter]
-            gate, up = gate_up.chunk(2, dim=1)
-            act = F.silu(gate) * up
-            hidden = hidden + lw.down(act)
+            x = add_rms_norm(hidden, lw.o(attn.reshape(t, h_dim)), lw.post_norm, s.rms_norm_eps)
+            mlp_out = lw.down(silu_mul(lw.gate_up(x)))
+            if i + 1 < len(layers):  # the residual add fused with the next layer's norm
+                x = add_rms_norm(hidden, mlp_out, layers[i + 1].input_norm, s.rms_norm_eps)
+            else:
+                hidden.add_(mlp_out)
         last = rms_norm(hidden.index_select(0, inp.logits_indices), self.final_norm, s.rms_norm_eps)
         return active.lm_head(last).float()
 

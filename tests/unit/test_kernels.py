@@ -19,10 +19,13 @@ from wattserve_kernels.extension import load_cpu_kernels
 from wattserve_kernels.linear import Linear
 from wattserve_kernels.norm_rope import (
     RotaryTable,
+    add_rms_norm,
     apply_rope,
     apply_rope_reference,
     rms_norm,
     rms_norm_reference,
+    silu_mul,
+    silu_mul_reference,
 )
 
 FP32_TOL = dict(atol=1e-5, rtol=1e-4)
@@ -35,6 +38,37 @@ def test_rms_norm_matches_reference(dtype, tol):
     x = torch.randn(7, 96, generator=g).to(dtype) * 3
     w = torch.randn(96, generator=g).to(dtype)
     torch.testing.assert_close(rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5), **tol)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 576: split over the threads
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)])
+def test_fused_row_ops_match_their_references(dtype, tol, rows):
+    g = torch.Generator().manual_seed(2)
+    hidden = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
+    addend = torch.randn(rows, 576, generator=g).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    torch.testing.assert_close(
+        rms_norm(hidden, w, 1e-5), rms_norm_reference(hidden, w, 1e-5), **tol
+    )
+    residual = hidden.clone()
+    out = add_rms_norm(residual, addend, w, 1e-5)
+    summed = (hidden.float() + addend.float()).to(dtype)
+    torch.testing.assert_close(residual, summed, **tol)  # the residual is updated in place
+    torch.testing.assert_close(out, rms_norm_reference(summed, w, 1e-5), **tol)
+    gate_up = (torch.randn(rows, 2 * 96, generator=g) * 4).to(dtype)
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # exp's clamped range and zero
+    torch.testing.assert_close(silu_mul(gate_up), silu_mul_reference(gate_up), **tol)
+
+
+def test_the_fused_row_ops_run_the_cpu_kernels_here():
+    assert load_cpu_kernels()
+    x = torch.randn(4, 64)
+    w = torch.randn(64)
+    torch.testing.assert_close(
+        torch.ops.wattserve.rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6), **FP32_TOL
+    )
+    gu = torch.randn(4, 32)
+    torch.testing.assert_close(torch.ops.wattserve.silu_mul(gu), silu_mul_reference(gu), **FP32_TOL)
 
 
 def test_rope_matches_reference_and_preserves_norm():
@@ -129,8 +163,15 @@ def test_paged_attention_torch_with_host_bounds_reads_nothing_back():
     expected = paged_attention_torch(*args, 0.25)
     # Bounds given as host lists: the device copies are never read (poisoned here).
     out = paged_attention_torch(
-        q, k_cache, v_cache, bt, query_start.neg(), context_lens.neg(), 0.25,
-        host_query_start=query_start.tolist(), host_context_lens=context_lens.tolist(),
+        q,
+        k_cache,
+        v_cache,
+        bt,
+        query_start.neg(),
+        context_lens.neg(),
+        0.25,
+        host_query_start=query_start.tolist(),
+        host_context_lens=context_lens.tolist(),
     )
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 

@@ -1,0 +1,159 @@
+// Row-wise elementwise steps of a Llama layer fused into one pass each, on the CPU.
+//
+//   rms_norm(x, w, eps)                 y = x / sqrt(mean(x^2) + eps) * w
+//   add_rms_norm(h, d, w, eps)          h += d (in place), then y = rms_norm(h, w, eps)
+//   silu_mul(gu)                        gu = [gate | up] per row -> silu(gate) * up
+//
+// Each row is read once and written once, in float32 arithmetic (bf16 rows are widened
+// and the result rounded once), where the unfused torch calls make a pass and a tensor
+// per operation: a single-stream decode step spends more in those calls' overhead than in
+// their arithmetic. Rows are split over threads only when a call is large enough.
+// It must not allocate anything but its output.
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+// Elements below which a call runs on the calling thread alone.
+constexpr int64_t kSerialElements = 32768;
+
+int64_t row_grain(int64_t row_elements) {
+  return std::max<int64_t>(1, kSerialElements / std::max<int64_t>(1, row_elements));
+}
+
+// exp(x) vectorizable: x = n ln2 + f ln2 with |f| <= 1/2, 2^f from its degree-6 Taylor
+// polynomial (relative error below 2e-7), 2^n from the exponent bits; x clamped to the
+// range where float32 neither overflows nor goes subnormal.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
+  const float t = x * 1.44269504f;
+  const float n = std::nearbyint(t);
+  const float f = t - n;
+  float p = 1.5403530e-4f;
+  p = p * f + 1.3333558e-3f;
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022651e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename T>
+inline void rms_row(const T* x, const T* w, T* y, int64_t n, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    ss += v * v;
+  }
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i)
+    y[i] = static_cast<T>(static_cast<float>(x[i]) * inv * static_cast<float>(w[i]));
+}
+
+template <typename T>
+inline void add_row(T* h, const T* d, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i)
+    h[i] = static_cast<T>(static_cast<float>(h[i]) + static_cast<float>(d[i]));
+}
+
+template <typename T>
+inline void silu_mul_row(const T* g, const T* u, T* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float gv = static_cast<float>(g[i]);
+    y[i] = static_cast<T>(gv / (1.f + exp_approx(-gv)) * static_cast<float>(u[i]));
+  }
+}
+
+// (The loops live in the functions above: a pragma cannot stand inside the dispatch
+// macros' arguments.)
+void check_rows(const at::Tensor& x, const at::Tensor& w, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [T, n]");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous() &&
+                  w.scalar_type() == x.scalar_type(),
+              op, ": weight must be [n] of x's dtype");
+}
+
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, w, "rms_norm");
+  auto y = at::empty_like(x);
+  const int64_t T = x.size(0), n = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, T, row_grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        rms_row(xp + r * n, wp, yp + r * n, n, static_cast<float>(eps));
+    });
+  });
+  return y;
+}
+
+at::Tensor add_rms_norm_cpu(at::Tensor& h, const at::Tensor& d, const at::Tensor& w,
+                            double eps) {
+  check_rows(h, w, "add_rms_norm");
+  TORCH_CHECK(d.sizes() == h.sizes() && d.is_contiguous() && d.scalar_type() == h.scalar_type(),
+              "add_rms_norm: the addend must match the residual");
+  auto y = at::empty_like(h);
+  const int64_t T = h.size(0), n = h.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h.scalar_type(), "add_rms_norm", [&] {
+    scalar_t* hp = h.data_ptr<scalar_t>();
+    const scalar_t* dp = d.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, T, row_grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        add_row(hp + r * n, dp + r * n, n);
+        rms_row(hp + r * n, wp, yp + r * n, n, static_cast<float>(eps));
+      }
+    });
+  });
+  return y;
+}
+
+at::Tensor silu_mul_cpu(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "silu_mul: gate_up must be a contiguous [T, 2 * n]");
+  const int64_t T = gate_up.size(0), n = gate_up.size(1) / 2;
+  auto y = at::empty({T, n}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate_up.scalar_type(), "silu_mul", [&] {
+    const scalar_t* gp = gate_up.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, T, row_grain(2 * n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* g = gp + r * 2 * n;
+        silu_mul_row(g, g + n, yp + r * n, n);
+      }
+    });
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(wattserve, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) residual, Tensor addend, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(wattserve, CPU, m) {
+  m.impl("rms_norm", &rms_norm_cpu);
+  m.impl("add_rms_norm", &add_rms_norm_cpu);
+  m.impl("silu_mul", &silu_mul_cpu);
+}
