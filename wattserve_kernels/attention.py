@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from wattserve_kernels.extension import load_cpu_kernels
+from wattserve_kernels.norm_rope import apply_rope
 
 
 def write_kv(
@@ -34,6 +35,33 @@ def write_kv(
     kvh, d = k_cache.shape[-2], k_cache.shape[-1]
     k_cache.view(-1, kvh, d).index_copy_(0, slots, k)
     v_cache.view(-1, kvh, d).index_copy_(0, slots, v)
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """From the fused projection qkv [T, (H + 2 KVH) D]: rotate q and k (cos/sin [T, 1, D/2]),
+    store k and v at the tokens' slots, return q [T, H, D]. On the CPU one C++ pass
+    (csrc/fused_rows.cpp) and q contiguous; elsewhere apply_rope and write_kv, and q a view
+    (a copy of a CUDA tensor needs the CUDA library, which a fake-CUDA trace lacks)."""
+    if qkv.device.type == "cpu" and qkv.is_contiguous() and load_cpu_kernels():
+        return torch.ops.wattserve.rope_write_kv(
+            qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads
+        )
+    t, d = qkv.shape[0], k_cache.shape[-1]
+    # split/narrow rather than Python slicing: see apply_rope
+    qk_flat, v_flat = qkv.split([(num_heads + num_kv_heads) * d, num_kv_heads * d], dim=1)
+    qk = apply_rope(qk_flat.view(t, num_heads + num_kv_heads, d), cos, sin)
+    q, k = qk.split([num_heads, num_kv_heads], dim=1)
+    write_kv(k_cache, v_cache, slots, k, v_flat.view(t, num_kv_heads, d))
+    return q
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

@@ -99,6 +99,10 @@ def _register_fake() -> None:
     def _(residual, addend, weight, eps):
         return torch.empty_like(residual)
 
+    @torch.library.register_fake("wattserve::rope_write_kv")
+    def _(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads):
+        return qkv.new_empty(qkv.shape[0], num_heads, k_cache.shape[3])
+
     @torch.library.register_fake("wattserve::silu_mul")
     def _(gate_up):
         return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)

@@ -29,11 +29,11 @@ from wattserve_kernels.attention import (
     paged_attention,
     paged_attention_torch,
     paged_decode_attention,
-    write_kv,
+    rope_write_kv,
 )
 from wattserve_kernels.extension import load_cpu_kernels
 from wattserve_kernels.linear import Linear
-from wattserve_kernels.norm_rope import RotaryTable, add_rms_norm, apply_rope, rms_norm, silu_mul
+from wattserve_kernels.norm_rope import RotaryTable, add_rms_norm, rms_norm, silu_mul
 from wattserve_kernels.quant import (
     LinearLike,
     full_precision_level,
@@ -410,8 +410,6 @@ class LlamaModel:
         """Returns float32 logits [N, vocab] for inp.logits_indices."""
         s = self.shape
         h_dim = s.num_heads * s.head_dim
-        kv_dim = s.num_kv_heads * s.head_dim
-        heads_qk = s.num_heads + s.num_kv_heads
         t = inp.input_ids.shape[0]
         active = self._active  # read once: a level switch lands between two calls
         cos, sin = self.rope.lookup(inp.positions)
@@ -420,13 +418,16 @@ class LlamaModel:
         x = rms_norm(hidden, layers[0].input_norm, s.rms_norm_eps)
         for i, lw in enumerate(layers):
             qkv = lw.qkv(x)  # [T, (H + 2 KVH) D]
-            # q and k sit side by side in qkv: rotate them in one call.
-            # split/narrow rather than Python slicing: see apply_rope
-            qk_flat, v_flat = qkv.split([h_dim + kv_dim, kv_dim], dim=1)
-            qk = apply_rope(qk_flat.view(t, heads_qk, s.head_dim), cos, sin)
-            q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
-            v = v_flat.view(t, s.num_kv_heads, s.head_dim)
-            write_kv(self.k_cache[i], self.v_cache[i], inp.slots, k, v)
+            q = rope_write_kv(
+                qkv,
+                cos,
+                sin,
+                self.k_cache[i],
+                self.v_cache[i],
+                inp.slots,
+                s.num_heads,
+                s.num_kv_heads,
+            )  # [T, H, D], k and v stored
             attn = self._attention(i, q, inp)  # [T, H, D]
             x = add_rms_norm(hidden, lw.o(attn.reshape(t, h_dim)), lw.post_norm, s.rms_norm_eps)
             mlp_out = lw.down(silu_mul(lw.gate_up(x)))
@@ -460,7 +461,7 @@ class LlamaModel:
                 host_context_lens=inp.host_context_lens,
             )
         return paged_attention(
-            q.contiguous(),
+            q.contiguous(),  # already, from the CPU's rope_write_kv
             self.k_cache[layer],
             self.v_cache[layer],
             inp.block_tables,

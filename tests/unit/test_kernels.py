@@ -13,6 +13,7 @@ from wattserve_kernels.attention import (
     paged_attention,
     paged_attention_torch,
     paged_decode_attention,
+    rope_write_kv,
     write_kv,
 )
 from wattserve_kernels.extension import load_cpu_kernels
@@ -106,6 +107,43 @@ def test_write_kv_puts_each_token_in_its_slot():
 # row by row, and the shapes its tiled path serves (block 16, head dim 64 or 128) with
 # three and two query heads per KV head.
 SHAPES = {"small": (4, 2, 4, 16), "smollm2": (16, 3, 9, 64), "hd128": (16, 2, 4, 128)}
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)])
+def test_rope_write_kv_rotates_q_and_k_and_stores_k_and_v(dtype, tol):
+    heads, kv_heads, d, t = 9, 3, 64, 21
+    g = torch.Generator().manual_seed(6)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    positions = torch.randint(0, 200, (t,), generator=g)
+    cos, sin = RotaryTable(inv_freq, 256, dtype=dtype).lookup(positions)
+    slots = torch.randperm(6 * 16, generator=g)[:t]
+    k_cache, v_cache = (
+        torch.zeros(6, 16, kv_heads, d, dtype=dtype),
+        torch.zeros(6, 16, kv_heads, d, dtype=dtype),
+    )
+    q = rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
+    assert q.shape == (t, heads, d)
+    rows = qkv.float().view(t, heads + 2 * kv_heads, d)
+    rotated = apply_rope_reference(rows[:, : heads + kv_heads], cos.float(), sin.float())
+    torch.testing.assert_close(q.float(), rotated[:, :heads], **tol)
+    flat_k, flat_v = k_cache.view(-1, kv_heads, d), v_cache.view(-1, kv_heads, d)
+    torch.testing.assert_close(flat_k[slots].float(), rotated[:, heads:], **tol)
+    torch.testing.assert_close(flat_v[slots].float(), rows[:, heads + kv_heads :], **tol)
+    untouched = torch.ones(6 * 16, dtype=torch.bool)
+    untouched[slots] = False
+    assert (flat_k[untouched] == 0).all() and (flat_v[untouched] == 0).all()
+
+
+def test_rope_write_kv_refuses_a_slot_outside_the_cache():
+    assert load_cpu_kernels()
+    qkv = torch.randn(2, 5 * 16)
+    cos = sin = torch.ones(2, 1, 8)
+    k_cache, v_cache = torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.wattserve.rope_write_kv(
+            qkv, cos, sin, k_cache, v_cache, torch.tensor([0, 8]), 3, 1
+        )
 
 
 def _mixed_step(seed: int, dtype: torch.dtype, shape: str = "small"):

@@ -3,6 +3,11 @@
 //   rms_norm(x, w, eps)                 y = x / sqrt(mean(x^2) + eps) * w
 //   add_rms_norm(h, d, w, eps)          h += d (in place), then y = rms_norm(h, w, eps)
 //   silu_mul(gu)                        gu = [gate | up] per row -> silu(gate) * up
+//   rope_write_kv(qkv, cos, sin, kc, vc, slots, H, KVH)
+//                                       per token row [q | k | v] of the fused projection:
+//                                       q and k rotated (rotate-half convention), k and v
+//                                       stored at the token's cache slot, q returned
+//                                       contiguous as [T, H, D]
 //
 // Each row is read once and written once, in float32 arithmetic (bf16 rows are widened
 // and the result rounded once), where the unfused torch calls make a pass and a tensor
@@ -79,6 +84,19 @@ inline void silu_mul_row(const T* g, const T* u, T* y, int64_t n) {
   }
 }
 
+// y = x rotated by (cos, sin) of one position: the first and second halves of the head
+// dimension are the pair's two coordinates.
+template <typename T>
+inline void rotate_head(const T* x, const T* c, const T* s, T* y, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+    const float cv = static_cast<float>(c[i]), sv = static_cast<float>(s[i]);
+    y[i] = static_cast<T>(x1 * cv - x2 * sv);
+    y[i + half] = static_cast<T>(x2 * cv + x1 * sv);
+  }
+}
+
 // (The loops live in the functions above: a pragma cannot stand inside the dispatch
 // macros' arguments.)
 void check_rows(const at::Tensor& x, const at::Tensor& w, const char* op) {
@@ -144,16 +162,65 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate_up) {
   return y;
 }
 
+at::Tensor rope_write_kv_cpu(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                             at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+                             int64_t H, int64_t KVH) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == KVH,
+              "rope_write_kv: caches must be contiguous [N, bs, KVH, D]");
+  const int64_t D = k_cache.size(3), half = D / 2, T = qkv.size(0);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (H + 2 * KVH) * D &&
+                  qkv.scalar_type() == k_cache.scalar_type(),
+              "rope_write_kv: qkv must be a contiguous [T, (H + 2 KVH) D] of the cache's dtype");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * half &&
+                  sin.numel() == T * half && cos.scalar_type() == qkv.scalar_type() &&
+                  sin.scalar_type() == qkv.scalar_type(),
+              "rope_write_kv: cos and sin must hold [T, D/2] of qkv's dtype");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T && slots.scalar_type() == at::kLong,
+              "rope_write_kv: one int64 slot per token");
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  auto sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "rope_write_kv: slot ", sp[t], " out of range");
+  auto q = at::empty({T, H, D}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_write_kv", [&] {
+    const scalar_t* xp = qkv.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* snp = sin.data_ptr<scalar_t>();
+    scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* kp = k_cache.data_ptr<scalar_t>();
+    scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    const int64_t width = (H + 2 * KVH) * D;
+    at::parallel_for(0, T, row_grain(width), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* row = xp + t * width;
+        const scalar_t* c = cp + t * half;
+        const scalar_t* sn = snp + t * half;
+        for (int64_t h = 0; h < H; ++h) rotate_head(row + h * D, c, sn, qp + (t * H + h) * D, half);
+        scalar_t* kd = kp + sp[t] * KVH * D;
+        for (int64_t h = 0; h < KVH; ++h) rotate_head(row + (H + h) * D, c, sn, kd + h * D, half);
+        std::memcpy(vp + sp[t] * KVH * D, row + (H + KVH) * D, KVH * D * sizeof(scalar_t));
+      }
+    });
+  });
+  return q;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(wattserve, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) residual, Tensor addend, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def(
+      "rope_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor slots, int num_heads, int num_kv_heads) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(wattserve, CPU, m) {
   m.impl("rms_norm", &rms_norm_cpu);
   m.impl("add_rms_norm", &add_rms_norm_cpu);
   m.impl("silu_mul", &silu_mul_cpu);
+  m.impl("rope_write_kv", &rope_write_kv_cpu);
 }
