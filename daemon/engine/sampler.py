@@ -66,83 +66,104 @@ def sample(
     """logits: [N, V] float32; one SamplingParams and generator per row.
 
     A row fails only on NaN, +inf or nothing finite (a banned or grammar-masked token is a
-    legitimate -inf). Greedy rows cost one device-to-host read for the whole batch
-    (argmax and the check travel together); the sampled rows one more, together.
+    legitimate -inf). The whole batch, greedy and sampled rows, costs one device-to-host
+    read, and sampled rows one upload of their parameters (a row drawn over its whole
+    sorted vocabulary, rare, reads its own).
     """
+    n, vocab = logits.shape
+    dev = logits.device
     # A row's maximum is NaN if any logit is, +inf if any is, -inf if none is finite.
     finite = torch.isfinite(logits.amax(dim=-1))
-    # -1 marks a row that fails; one read-back for the batch
-    greedy_ids = torch.where(finite, logits.argmax(dim=-1), -1).cpu().tolist()
-    out: list[int | None] = [None if g < 0 else g for g in greedy_ids]
-    rows = [
-        r
-        for r, (p, g) in enumerate(zip(params, greedy_ids, strict=True))
-        if g >= 0 and not p.greedy
-    ]
+    tokens = logits.argmax(dim=-1)
+    spills = torch.zeros(n, dtype=torch.long, device=dev)
+    sampled = [r for r, p in enumerate(params) if not p.greedy]
+    # plain-temperature rows first, then the truncating ones: each part a slice
+    rows = sorted(sampled, key=lambda r: _truncates(params[r], vocab))
     if rows:
-        drawn = _sample_rows(logits, rows, [params[r] for r in rows], [generators[r] for r in rows])
-        for row, token in zip(rows, drawn, strict=True):
-            out[row] = token
-    return out
-
-
-def _sample_rows(
-    logits: torch.Tensor,
-    rows: list[int],
-    params: list[SamplingParams],
-    generators: list[torch.Generator],
-) -> list[int]:
-    """Draw one token for each of `rows` (finite, non-greedy) of logits [N, V]."""
-    dev = logits.device
-    vocab = logits.shape[1]
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
-    scaled = logits.index_select(0, torch.tensor(rows, device=dev)) / temps.unsqueeze(1)
-    plain = [i for i, p in enumerate(params) if not _truncates(p, vocab)]
-    trunc = [i for i, p in enumerate(params) if _truncates(p, vocab)]
-    out = [0] * len(rows)
-    if plain:  # the whole vocabulary
-        sub = scaled if len(plain) == len(rows) else scaled[plain]
-        probs = torch.softmax(sub, dim=-1)
-        choice = _draw(probs, [generators[i] for i in plain]).tolist()
-        for i, c in zip(plain, choice, strict=True):
-            out[i] = c
-    if trunc:
-        sub = scaled if len(trunc) == len(rows) else scaled[trunc]
-        tp = [params[i] for i in trunc]
-        top_ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in tp]
-        n_cand = min(vocab, max(_CANDIDATES, *top_ks))
-        values, indices = torch.topk(sub, n_cand, dim=-1)  # sorted, most likely first
-        rank = torch.arange(n_cand, device=dev)
-        has_k = torch.tensor([k > 0 for k in top_ks], device=dev)
-        in_k = rank.unsqueeze(0) < torch.tensor(
-            [k or n_cand for k in top_ks], device=dev
-        ).unsqueeze(1)
-        # Probabilities over the top k where a row sets top_k, else over the whole vocabulary.
-        log_z = torch.where(
-            has_k,
-            torch.logsumexp(values.masked_fill(~in_k, float("-inf")), dim=-1),
-            torch.logsumexp(sub, dim=-1),
+        table = torch.tensor(  # one upload: row, temperature, top_p, min_p, top_k (0: none)
+            [[r, *_row_params(params[r], vocab)] for r in rows], dtype=torch.float64, device=dev
         )
-        probs = torch.exp(values - log_z.unsqueeze(1)) * in_k
-        top_p = torch.tensor([p.top_p for p in tp], dtype=probs.dtype, device=dev)
-        min_p = torch.tensor([p.min_p for p in tp], dtype=probs.dtype, device=dev)
-        keep = in_k & ((probs.cumsum(dim=-1) - probs) < top_p.unsqueeze(1))
-        keep &= probs >= min_p.unsqueeze(1) * probs[:, :1]
-        keep[:, 0] = True  # a top_p below float32 resolution still keeps the best token
-        # Without top_k a kept last candidate means the kept set may go on past them.
-        spills = (keep[:, -1] & ~has_k).tolist() if n_cand < vocab else [False] * len(trunc)
-        choice = _draw(probs * keep, [generators[i] for i in trunc])
-        tokens = indices.gather(1, choice.unsqueeze(1)).squeeze(1).tolist()
-        for j, i in enumerate(trunc):
-            if spills[j]:
-                out[i] = _sample_row(logits[rows[i]], params[i], generators[i])
-            else:
-                out[i] = tokens[j]
+        idx = table.select(1, 0).long()
+        n_plain = sum(not _truncates(params[r], vocab) for r in rows)
+        drawn, spilled = _sample_rows(
+            logits.index_select(0, idx),
+            table.narrow(1, 1, 4),
+            n_plain,
+            max(int(params[r].top_k) if 0 < params[r].top_k < vocab else 0 for r in rows),
+            [generators[r] for r in rows],
+        )
+        tokens = tokens.index_copy(0, idx, drawn)
+        spills = spills.index_copy(0, idx, spilled.long())
+    # -1 marks a row that fails; one read-back for the batch
+    ids, spill_flags = torch.stack([torch.where(finite, tokens, -1), spills]).cpu().tolist()
+    out: list[int | None] = []
+    for row, (token, spill) in enumerate(zip(ids, spill_flags, strict=True)):
+        if token < 0:
+            out.append(None)
+        elif spill:
+            out.append(_sample_row(logits[row], params[row], generators[row]))
+        else:
+            out.append(token)
     return out
+
+
+def _row_params(p: SamplingParams, vocab: int) -> tuple[float, float, float, int]:
+    return p.temperature, p.top_p, p.min_p, p.top_k if 0 < p.top_k < vocab else 0
 
 
 def _truncates(p: SamplingParams, vocab: int) -> bool:
     return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
+
+
+def _sample_rows(
+    logits: torch.Tensor,
+    table: torch.Tensor,
+    n_plain: int,
+    max_top_k: int,
+    generators: list[torch.Generator],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token for each row of logits [R, V] on their device; table [R, 4] holds
+    each row's temperature, top_p, min_p and top_k (0: none). The first n_plain rows only
+    scale by their temperature; the others truncate. Returns (tokens [R], spilled [R]):
+    a spilled row's kept set could reach past its candidates, and its token is to be
+    drawn again over the whole vocabulary."""
+    dev = logits.device
+    r_all, vocab = logits.shape
+    temps, top_p, min_p, top_k = (table.select(1, j) for j in range(4))
+    scaled = logits / temps.to(logits.dtype).unsqueeze(1)
+    parts_tokens, parts_spilled = [], []
+    if n_plain:  # the whole vocabulary
+        sub = scaled.narrow(0, 0, n_plain)
+        parts_tokens.append(_draw(torch.softmax(sub, dim=-1), generators[:n_plain]))
+        parts_spilled.append(torch.zeros(n_plain, dtype=torch.bool, device=dev))
+    n_trunc = r_all - n_plain
+    if n_trunc:
+        sub = scaled.narrow(0, n_plain, n_trunc)
+        k = top_k.narrow(0, n_plain, n_trunc).long()
+        n_cand = min(vocab, max(_CANDIDATES, max_top_k))
+        values, indices = torch.topk(sub, n_cand, dim=-1)  # sorted, most likely first
+        rank = torch.arange(n_cand, device=dev)
+        has_k = k > 0
+        in_k = rank.unsqueeze(0) < torch.where(has_k, k, n_cand).unsqueeze(1)
+        # Probabilities over the top k where a row sets top_k, else over the whole vocabulary.
+        log_z = torch.where(
+            has_k,
+            torch.logsumexp(torch.where(in_k, values, float("-inf")), dim=-1),
+            torch.logsumexp(sub, dim=-1),
+        )
+        probs = torch.exp(values - log_z.unsqueeze(1)) * in_k
+        tp = top_p.narrow(0, n_plain, n_trunc).to(probs.dtype).unsqueeze(1)
+        mp = min_p.narrow(0, n_plain, n_trunc).to(probs.dtype).unsqueeze(1)
+        keep = in_k & ((probs.cumsum(dim=-1) - probs) < tp)
+        keep &= probs >= mp * probs.narrow(1, 0, 1)  # narrow: see _draw
+        keep.select(1, 0).fill_(True)  # a top_p below float32 resolution keeps the best
+        choice = _draw(probs * keep, generators[n_plain:])
+        parts_tokens.append(indices.gather(1, choice.unsqueeze(1)).squeeze(1))
+        if n_cand < vocab:  # without top_k a kept last candidate: the set may go on
+            parts_spilled.append(keep.select(1, n_cand - 1) & has_k.logical_not())
+        else:
+            parts_spilled.append(torch.zeros(n_trunc, dtype=torch.bool, device=dev))
+    return torch.cat(parts_tokens), torch.cat(parts_spilled)
 
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
@@ -153,7 +174,10 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tenso
     u = torch.cat(
         [torch.rand(1, generator=g, device=probs.device, dtype=probs.dtype) for g in generators]
     )
-    idx = torch.searchsorted(cum, (u * cum[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    # narrow, not cum[:, -1]: Python indexing of a CUDA tensor needs the CUDA library,
+    # which a fake-CUDA trace on a CPU-only torch does not have (as in apply_rope)
+    total = cum.narrow(1, cum.shape[1] - 1, 1)
+    idx = torch.searchsorted(cum, u.unsqueeze(1) * total, right=True).squeeze(1)
     # A draw that rounds onto the total would land past the last token with mass.
     positions = torch.arange(probs.shape[1], device=probs.device)
     last = torch.where(probs > 0, positions, 0).amax(dim=-1)

@@ -130,6 +130,21 @@ def test_a_cuda_step_touches_no_host_tensor_and_syncs_once(hf_model, kind, dtype
     assert len(ids) == n
     assert traffic.host_ops == [], f"ops on host tensors in the step: {traffic.host_ops}"
     assert len(traffic.syncs) == 1, f"host syncs in one step: {traffic.syncs}"
+    # Sampled rows (temperature, top-p, top-k) are drawn on the device with the greedy
+    # ones: still one read-back for the batch.
+    mixed = [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(top_k=5)][:n]
+    mixed[0:0] = [SamplingParams(temperature=0.0)] * (n - len(mixed))
+    with fake:
+        sampled_traffic = HostTraffic()
+        with sampled_traffic:
+            drawn = sample(logits, mixed, [None] * n)
+    assert len(drawn) == n and len(sampled_traffic.syncs) == 1, sampled_traffic.syncs
+    # The host's only part: one upload of the sampled rows' parameters.
+    uploads = [op for op in sampled_traffic.host_ops if op == "aten._to_copy.default"]
+    assert len(uploads) == 1, sampled_traffic.host_ops
+    assert set(sampled_traffic.host_ops) <= {
+        "aten.lift_fresh.default", "prim.device.default", "aten._to_copy.default"
+    }, sampled_traffic.host_ops
 
 
 def test_prepare_moves_the_step_in_one_copy(hf_model):
