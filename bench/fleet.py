@@ -12,7 +12,9 @@ over --phase-spread of a day) and random bursts, all scaled by --load-scale; one
 budget at --budget-ratio (default 0.6) of the nodes' summed maxima.
 
 Compared in the same run on the same loads: a static equal split, static caps by rated
-power (Dynamo-planner style), no budget at all (`uncapped`, the ceiling), and the allocator
+power (Dynamo-planner style), no budget at all (`uncapped`, the ceiling of any allocation),
+the per-step optimum of the budget in hindsight (`hindsight`: true loads and curves, no
+bands, no lag, no fairness; the best any allocator could do), and the allocator
 (fleet.allocator, the production code, fed each period with demands by the formula of
 daemon.fleet_node.node_demand, the SLO pressure modelled as load over 90 % of capacity;
 grants apply at the next step). Reported per strategy: goodput, SLO attainment (site and
@@ -38,6 +40,8 @@ from fleet.allocator import Allocator, AllocatorParams, Demand, NodeSpec
 SLO_UTILISATION = 0.9
 NEED_MARGIN_RATIO = 0.1  # fleet.need_margin_ratio's default
 PRESSURE_MIN, PRESSURE_MAX, QUEUE_PRESSURE = 0.5, 2.0, 1.25  # as daemon/fleet_node.py
+_HINDSIGHT_BISECT_STEPS = 60
+STRATEGIES = ("equal_split", "rated_caps", "allocator", "hindsight", "uncapped")
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,30 @@ class Fleet:
     def power_for(self, served: np.ndarray) -> np.ndarray:
         frac = np.clip(served / self.cap_tok_s, 0.0, 1.0)
         return self.idle_w + (self.max_w - self.idle_w) * frac ** (1.0 / self.alpha)
+
+    def hindsight_caps(self, load: np.ndarray, budget_w: float) -> np.ndarray:
+        """The caps that maximise this step's goodput within budget_w, knowing the loads and
+        the curves: water-filling on the true marginal goodput per watt."""
+        span_w = self.max_w - self.idle_w
+        # Past the power at which 0.9 C(p) covers the load a watt buys nothing.
+        served_frac = np.clip(load / (SLO_UTILISATION * self.cap_tok_s), 0.0, 1.0)
+        enough_w = np.clip(
+            self.idle_w + span_w * served_frac ** (1.0 / self.alpha), self.floor_w, self.max_w
+        )
+        # d(0.9 C)/dp = slope * frac ** (alpha - 1), falling in p (alpha < 1).
+        slope = SLO_UTILISATION * self.alpha * self.cap_tok_s / span_w
+
+        def caps_at(level: float) -> np.ndarray:
+            frac = (level / slope) ** (1.0 / (self.alpha - 1.0)) if level > 0 else 1.0
+            return np.clip(self.idle_w + span_w * np.clip(frac, 0.0, 1.0), self.floor_w, enough_w)
+
+        if caps_at(0.0).sum() <= budget_w:
+            return caps_at(0.0)
+        low, high = 0.0, float(slope.max()) * 1e6
+        for _ in range(_HINDSIGHT_BISECT_STEPS):
+            mid = (low + high) / 2
+            low, high = (mid, high) if caps_at(mid).sum() > budget_w else (low, mid)
+        return caps_at(high)
 
 
 def make_fleet(n: int, rng: random.Random) -> Fleet:
@@ -229,6 +257,8 @@ def simulate(
                 if g is not None and g[2] <= now_s:
                     caps[j], grants[j] = fleet.floor_w[j], None
         load = loads[step]
+        if strategy == "hindsight":
+            caps = fleet.hindsight_caps(load, budget_w)
         capacity = fleet.capacity(caps)
         served = np.minimum(load, capacity)
         draw = np.minimum(fleet.power_for(served), caps)
@@ -259,7 +289,7 @@ def run_scenario(n: int, args: argparse.Namespace) -> dict:
     results = {}
     cpu_ms: list[float] = []
     traces = {}
-    for strategy in ("equal_split", "rated_caps", "allocator", "uncapped"):
+    for strategy in STRATEGIES:
         o = simulate(fleet, loads, budget_w, strategy, args.period_s, args.seed)
         results[strategy] = o.summary(n, hours)
         cpu_ms += o.alloc_cpu_ms
@@ -268,6 +298,14 @@ def run_scenario(n: int, args: argparse.Namespace) -> dict:
         plot(args.plot, n, budget_w, traces)
     eq, al = results["equal_split"], results["allocator"]
     cpu_sorted = sorted(cpu_ms)
+    class_margin_pp = {
+        c: round(al["class_attainment_pct"][c] - eq["class_attainment_pct"][c], 2)
+        for c in sorted(eq["class_attainment_pct"])
+    }
+
+    def gain_pct(strategy: str) -> float:
+        return round(100 * (results[strategy]["goodput_tok_s"] / eq["goodput_tok_s"] - 1), 2)
+
     return {
         "nodes": n,
         "site_budget_w": round(budget_w, 1),
@@ -278,17 +316,23 @@ def run_scenario(n: int, args: argparse.Namespace) -> dict:
         "simulated_s": steps,
         "period_s": args.period_s,
         "strategies": results,
-        "goodput_gain_vs_equal_split_pct": round(
-            100 * (al["goodput_tok_s"] / eq["goodput_tok_s"] - 1), 2
-        ),
+        "goodput_gain_vs_equal_split_pct": gain_pct("allocator"),
+        # What no allocation can pass: every node at its maximum, and the budget's optimum.
+        "uncapped_gain_vs_equal_split_pct": gain_pct("uncapped"),
+        "hindsight_gain_vs_equal_split_pct": gain_pct("hindsight"),
         "goodput_gain_vs_rated_caps_pct": round(
             100 * (al["goodput_tok_s"] / results["rated_caps"]["goodput_tok_s"] - 1), 2
         ),
         "share_of_uncapped_goodput_pct": round(
             100 * al["goodput_tok_s"] / results["uncapped"]["goodput_tok_s"], 2
         ),
+        "share_of_hindsight_goodput_pct": round(
+            100 * al["goodput_tok_s"] / results["hindsight"]["goodput_tok_s"], 2
+        ),
         "attainment_pct": al["attainment_pct"],
         "equal_split_attainment_pct": eq["attainment_pct"],
+        "class_attainment_vs_equal_split_pp": class_margin_pp,
+        "class_attainment_ge_equal_split": all(v >= 0 for v in class_margin_pp.values()),
         "site_over_budget_s": al["site_over_budget_s"],
         "allocation_cpu_ms_p50": round(statistics.median(cpu_sorted), 3),
         "allocation_cpu_ms_p99": round(cpu_sorted[int(0.99 * (len(cpu_sorted) - 1))], 3),
@@ -345,9 +389,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{n} nodes, budget {last['site_budget_w']:.0f} W: goodput tok/s equal "
             f"{eq['goodput_tok_s']:.0f}, rated {rc['goodput_tok_s']:.0f}, allocator "
             f"{al['goodput_tok_s']:.0f} ({last['goodput_gain_vs_equal_split_pct']:+.1f}% vs "
-            f"equal; uncapped {s['uncapped']['goodput_tok_s']:.0f}); attainment "
+            f"equal; hindsight {last['hindsight_gain_vs_equal_split_pct']:+.1f}%, uncapped "
+            f"{last['uncapped_gain_vs_equal_split_pct']:+.1f}%); attainment "
             f"{eq['attainment_pct']:.1f} / {rc['attainment_pct']:.1f} / "
-            f"{al['attainment_pct']:.1f} %; over budget {last['site_over_budget_s']} s; "
+            f"{al['attainment_pct']:.1f} %; every class >= equal split: "
+            f"{last['class_attainment_ge_equal_split']}; over budget "
+            f"{last['site_over_budget_s']} s; "
             f"round p99 {last['allocation_cpu_ms_p99']:.2f} ms CPU",
             flush=True,
         )

@@ -199,17 +199,23 @@ class FleetNodeLink:
             mqtt.reconnect_initial_ms / 1000, mqtt.reconnect_max_ms / 1000, rng or random.Random()
         )
         self.counts = {"applied": 0, "renewed": 0, "rejected": 0, "lease_expired": 0}
+        self._floor_source = "safe_floor_no_grant_yet"  # why the node runs at its floor
         self.connected = False
         self._client: aiomqtt.Client | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     def status(self) -> dict:
-        """For /v1/status: the grant in force and its lease."""
+        """For /v1/status: the budget the fleet sets and where it comes from (`source`:
+        "grant", or the safe floor with "safe_floor_no_grant_yet" or
+        "safe_floor_lease_expired"), the grant in force (its epoch, expiry, seconds left)."""
         grant = self.gate.in_force
         return {
             "enabled": True,
             "connected": self.connected,
             "budget_w": self.gate.budget_w(),
+            "source": "grant" if grant is not None else self._floor_source,
+            "epoch": None if grant is None else grant.epoch,
+            "expires_at_unix_s": None if grant is None else grant.expires_at_unix_s,
             "grant": None if grant is None else grant.model_dump(mode="json", by_alias=True),
             "lease_left_s": self.gate.lease_left_s(self._monotonic()),
             "safe_floor_w": self.gate.safe_floor_w,
@@ -260,6 +266,7 @@ class FleetNodeLink:
         if not self.gate.expire(self._monotonic()):
             return False
         self.counts["lease_expired"] += 1
+        self._floor_source = "safe_floor_lease_expired"
         log.warning(
             "fleet: lease expired with no new grant: safe floor %.0f W", self.gate.safe_floor_w
         )

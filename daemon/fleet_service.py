@@ -63,6 +63,9 @@ class AllocatorSection(_Section):
     hysteresis_w: float = Field(10.0, ge=0)
     raise_step_w: float = Field(50.0, gt=0)
     raise_jitter_ratio: float = Field(0.5, ge=0, lt=1)
+    fair_share_ratio: float = Field(
+        1.0, ge=0, le=1, description="x site_budget_w / nodes: owed before water-filling."
+    )
     site_meter_topic: str | None = Field(
         None, description='Measured site power: {"power_w": x} or a bare number.'
     )
@@ -117,6 +120,7 @@ class FleetServiceConfig(_Section):
             hysteresis_w=a.hysteresis_w,
             raise_step_w=a.raise_step_w,
             raise_jitter_ratio=a.raise_jitter_ratio,
+            fair_share_ratio=a.fair_share_ratio,
             site_meter_threshold_w=a.site_meter_threshold_w,
             site_meter_timeout_s=3 * a.period_s,
             emergency_margin_ratio=a.emergency_margin_ratio,

@@ -1,7 +1,8 @@
 """One allocation round's target: priority bands, then water-filling on marginal goodput.
 
 Input: each node's floor, ceiling, the power it needs to meet its SLOs now, its marginal
-goodput per watt and its priority band; and the watts there are to share. Output: a target
+goodput per watt, its fair share and its priority band; and the watts there are to share.
+Output: a target
 grant per node. Pure and deterministic: no clock, no randomness, no state; hysteresis,
 leases and the pace of changes are the allocator's (`fleet.allocator`), not this module's.
 """
@@ -25,6 +26,8 @@ class NodeAsk:
     goodput_per_w: marginal goodput per watt at the floor (> 0); the allocation assumes it
     falls linearly to zero at need_w (diminishing returns), which is what makes the
     water-filling spread watts instead of handing all to the single best node.
+    share_w: the node's fair share; inside a band that cannot be met in full, the node gets
+    min(want_w, share_w) before any watt goes by marginal goodput (0: no such guarantee).
     """
 
     band: int
@@ -32,9 +35,10 @@ class NodeAsk:
     ceiling_w: float
     need_w: float
     goodput_per_w: float
+    share_w: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("floor_w", "ceiling_w", "need_w", "goodput_per_w"):
+        for name in ("floor_w", "ceiling_w", "need_w", "goodput_per_w", "share_w"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
@@ -45,6 +49,11 @@ class NodeAsk:
     def want_w(self) -> float:
         """need_w clamped into [floor_w, ceiling_w]."""
         return min(max(self.need_w, self.floor_w), self.ceiling_w)
+
+    @property
+    def owed_w(self) -> float:
+        """What a short band gives this node before water-filling: its want up to its share."""
+        return max(self.floor_w, min(self.want_w, self.share_w))
 
 
 class InfeasibleFloors(ValueError):
@@ -58,9 +67,11 @@ def allocate(asks: Mapping[str, NodeAsk], budget_w: float) -> dict[str, float]:
     1. Every node gets its floor (raises InfeasibleFloors if the floors do not fit).
     2. Needs, band by band from the highest: a band's needs are met in full before the next
        band gets a watt above its floor, so a band is short only when every lower band is at
-       its floors. Inside a band that cannot be met in full, watts go by water-filling on
-       marginal goodput per watt: one water level L, node i at the power where its marginal
-       goodput g_i * (want_i - p) / (want_i - floor_i) equals L.
+       its floors. Inside a band that cannot be met in full, each node first gets its want
+       up to its fair share (share_w; if even those do not fit, equal watts up to them),
+       so no node that needs its share is worse off than under a static split; the rest
+       goes by water-filling on marginal goodput per watt: one water level L, node i at the
+       power where its marginal goodput g_i * (want_i - p) / (want_i - floor_i) equals L.
     3. What is left after all needs, band by band from the highest, up to the ceilings,
        equal watts per node (headroom for bursts between rounds).
     """
@@ -81,7 +92,7 @@ def allocate(asks: Mapping[str, NodeAsk], budget_w: float) -> dict[str, float]:
                 grants[node] = ask.want_w
             left_w -= wanted_w
         else:
-            for node, extra_w in _water_fill(members, max(left_w, 0.0)).items():
+            for node, extra_w in _short_band(members, max(left_w, 0.0)).items():
                 grants[node] += extra_w
             left_w = 0.0
             break
@@ -101,17 +112,30 @@ def allocate(asks: Mapping[str, NodeAsk], budget_w: float) -> dict[str, float]:
     return grants
 
 
-def _water_fill(members: Mapping[str, NodeAsk], watts: float) -> dict[str, float]:
-    """Watts above the floors for one band that cannot be met in full: equal marginals."""
+def _short_band(members: Mapping[str, NodeAsk], watts: float) -> dict[str, float]:
+    """Watts above the floors for one band that cannot be met in full: the fair shares
+    first, then equal marginals."""
+    owed = {n: a.owed_w - a.floor_w for n, a in members.items()}
+    if sum(owed.values()) >= watts:
+        return _equal_fill(owed, watts)
+    extra = _water_fill(members, owed, watts - sum(owed.values()))
+    return {n: owed[n] + extra[n] for n in members}
+
+
+def _water_fill(
+    members: Mapping[str, NodeAsk], owed: Mapping[str, float], watts: float
+) -> dict[str, float]:
+    """Watts on top of what each node is owed (above its floor): equal marginals."""
     spans = {n: a.want_w - a.floor_w for n, a in members.items()}
-    live = {n: a for n, a in members.items() if spans[n] > 0}
+    rooms = {n: spans[n] - owed[n] for n in members}
+    live = {n: a for n, a in members.items() if rooms[n] > 0}
     if not live or watts <= 0:
         return {n: 0.0 for n in members}
     # A node reporting no marginal gain still ranks, last: a tiny positive goodput.
     gains = {n: max(a.goodput_per_w, 1e-12) for n, a in live.items()}
 
     def extra_at(level: float) -> dict[str, float]:
-        return {n: spans[n] * max(0.0, 1.0 - level / gains[n]) for n in live}
+        return {n: max(0.0, spans[n] * (1.0 - level / gains[n]) - owed[n]) for n in live}
 
     low, high = 0.0, max(gains.values())
     for _ in range(_BISECT_STEPS):
@@ -127,7 +151,7 @@ def _water_fill(members: Mapping[str, NodeAsk], watts: float) -> dict[str, float
     for n in sorted(live, key=lambda n: -gains[n]):
         if left <= 0:
             break
-        take = min(left, spans[n] - extra[n])
+        take = min(left, rooms[n] - extra[n])
         extra[n] += take
         left -= take
     return {n: extra.get(n, 0.0) for n in members}

@@ -54,6 +54,9 @@ class AllocatorParams:
     hysteresis_w: float = 10.0  # targets this close to the grant in force change nothing
     raise_step_w: float = 50.0  # at most this much more per node per round (give-backs)
     raise_jitter_ratio: float = 0.5  # each raise step is drawn from [1 - this, 1] x step
+    # A node's fair share is this x the site budget / the number of nodes: in a band that is
+    # short, a node gets its need up to it before watts go by marginal goodput (0: none).
+    fair_share_ratio: float = 1.0
     site_meter_threshold_w: float | None = None  # measured site power above it: emergency
     site_meter_timeout_s: float = 6.0  # an older reading is ignored
     emergency_margin_ratio: float = 0.05  # cut to this far below the threshold
@@ -72,6 +75,8 @@ class AllocatorParams:
             raise FleetConfigError("hysteresis_w must be >= 0 and raise_step_w > 0")
         if not 0 <= self.raise_jitter_ratio < 1:
             raise FleetConfigError("raise_jitter_ratio must be within [0, 1)")
+        if not 0 <= self.fair_share_ratio <= 1:
+            raise FleetConfigError("fair_share_ratio must be within [0, 1]")
         if not 0 <= self.emergency_margin_ratio < 1:
             raise FleetConfigError("emergency_margin_ratio must be within [0, 1)")
 
@@ -155,6 +160,7 @@ class Allocator:
                 f"{params.site_budget_w:.1f} W: refusing to allocate"
             )
         self._params = params
+        self._share_w = params.fair_share_ratio * params.site_budget_w / len(self._specs)
         self._rng = rng
         self._ledgers = {n: _Ledger() for n in self._specs}
         self._epoch = 0
@@ -347,6 +353,7 @@ class Allocator:
             ceiling_w=ceiling_w,
             need_w=max(demand.need_w, 0.0),
             goodput_per_w=max(demand.goodput_per_w, 0.0),
+            share_w=self._share_w,
         )
 
     def _base(self, node: str, now_s: float) -> float:

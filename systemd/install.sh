@@ -7,10 +7,12 @@
 #
 # Installs:
 #   /opt/wattserve                      a venv holding the wattserve package (from this checkout)
-#   /opt/wattserve/share/wattserve/systemd/   the unit, the control drop-in, the example config
+#   /opt/wattserve/share/wattserve/systemd/   the units, the control drop-in, the example configs
 #   /etc/systemd/system/wattserve.service
 #   /etc/systemd/system/wattserve@.service  the per-GPU template (one instance per GPU)
+#   /etc/systemd/system/wattserve-fleet.service  the fleet allocator (docs/fleet.md), not enabled
 #   /etc/wattserve/config.toml          the example config, only where none exists
+#   /etc/wattserve/fleet.toml           the allocator's example config, only where none exists
 #   /etc/wattserve/api-token            a random control-API token, root-only, only where none exists
 #   /etc/systemd/system/wattserve.service.d/control.conf   with --control only
 # No user is created: the unit uses DynamicUser=, and systemd makes the service's state
@@ -21,7 +23,7 @@
 #              running this and writable by no one else.
 # --control    also enable control mode (CAP_SYS_ADMIN; see docs/systemd.md).
 # --no-venv    leave /opt/wattserve's Python environment alone (files only).
-# --uninstall  stop and disable the service, remove the unit, the drop-in and /opt/wattserve;
+# --uninstall  stop and disable the services, remove the units, the drop-in and /opt/wattserve;
 #              keep /etc/wattserve and the service's state and cache, unless --purge.
 #
 # Before it writes or removes anything it refuses (and changes nothing) when a path it
@@ -94,6 +96,7 @@ SHARE="$OPT/share/wattserve/systemd"
 UNIT_DIR="$ROOT/etc/systemd/system"
 UNIT="$UNIT_DIR/wattserve.service"
 UNIT_TEMPLATE="$UNIT_DIR/wattserve@.service"
+FLEET_UNIT="$UNIT_DIR/wattserve-fleet.service"
 DROPIN_DIR="$UNIT_DIR/wattserve.service.d"
 CONF_DIR="$ROOT/etc/wattserve"
 
@@ -146,14 +149,17 @@ check_tree() {
     if [ -z "$ROOT" ]; then
         top_opt=/opt top_etc=/etc top_unit=/etc/systemd/system
     fi
-    for f in wattserve.service wattserve@.service wattserve-control.conf config.example.toml; do
+    for f in wattserve.service wattserve@.service wattserve-control.conf config.example.toml \
+        wattserve-fleet.service fleet.example.toml; do
         guard_file "$top_opt" "$SHARE/$f"
     done
     guard_opt
     guard_file "$top_unit" "$UNIT"
     guard_file "$top_unit" "$UNIT_TEMPLATE"
+    guard_file "$top_unit" "$FLEET_UNIT"
     guard_file "$top_unit" "$DROPIN_DIR/control.conf"
     guard_file "$top_etc" "$CONF_DIR/config.toml"
+    guard_file "$top_etc" "$CONF_DIR/fleet.toml"
     guard_file "$top_etc" "$CONF_DIR/api-token"
     if [ "$PURGE" -eq 1 ] && [ -n "$ROOT" ]; then
         # rm -rf removes a link itself: only the directories above what it removes matter.
@@ -195,11 +201,18 @@ do_install() {
         install_venv
     fi
     install -m 0644 "$SRC/systemd/wattserve.service" "$SRC/systemd/wattserve@.service" \
-        "$SRC/systemd/wattserve-control.conf" "$SRC/systemd/config.example.toml" "$SHARE/"
+        "$SRC/systemd/wattserve-control.conf" "$SRC/systemd/config.example.toml" \
+        "$SRC/systemd/wattserve-fleet.service" "$SRC/systemd/fleet.example.toml" "$SHARE/"
     install -m 0644 "$SRC/systemd/wattserve.service" "$UNIT"
     install -m 0644 "$SRC/systemd/wattserve@.service" "$UNIT_TEMPLATE"
+    install -m 0644 "$SRC/systemd/wattserve-fleet.service" "$FLEET_UNIT"
     if [ ! -e "$CONF_DIR/config.toml" ]; then
         install -m 0644 "$SRC/systemd/config.example.toml" "$CONF_DIR/config.toml"
+    fi
+    # The allocator runs on one or two machines of a site; every node gets the unit, not
+    # enabled, and the example to edit (its node list and site budget are placeholders).
+    if [ ! -e "$CONF_DIR/fleet.toml" ]; then
+        install -m 0644 "$SRC/systemd/fleet.example.toml" "$CONF_DIR/fleet.toml"
     fi
     make_token
     chmod 0600 "$CONF_DIR/api-token"
@@ -212,20 +225,26 @@ do_install() {
         if systemctl is-active --quiet wattserve.service; then
             echo "install.sh: wattserve is running; 'systemctl restart wattserve' to use the update"
         fi
+        if systemctl is-active --quiet wattserve-fleet.service; then
+            echo "install.sh: the fleet allocator is running; 'systemctl restart wattserve-fleet' to use the update"
+        fi
     fi
     local mode="observe"
     [ -e "$DROPIN_DIR/control.conf" ] && mode="control"
     echo "install.sh: installed wattserve ($mode mode) under ${ROOT:-/}"
     if [ -z "$ROOT" ]; then
         echo "install.sh: start it with 'systemctl enable --now wattserve'"
+        echo "install.sh: the fleet allocator (one machine per site, docs/fleet.md): edit" \
+            "$CONF_DIR/fleet.toml, then 'systemctl enable --now wattserve-fleet'"
     fi
 }
 
 do_uninstall() {
     if systemd_live; then
         systemctl disable --now wattserve.service 2>/dev/null || true
+        systemctl disable --now wattserve-fleet.service 2>/dev/null || true
     fi
-    rm -f "$UNIT" "$UNIT_TEMPLATE" "$DROPIN_DIR/control.conf"
+    rm -f "$UNIT" "$UNIT_TEMPLATE" "$FLEET_UNIT" "$DROPIN_DIR/control.conf"
     if [ -d "$DROPIN_DIR" ]; then
         rmdir "$DROPIN_DIR" 2>/dev/null || echo "install.sh: kept $DROPIN_DIR (other drop-ins in it)"
     fi

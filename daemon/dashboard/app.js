@@ -2,7 +2,8 @@
  *
  * Reads one Server-Sent Events stream (GET /v1/events/stream: a backlog of the last five
  * minutes, then a telemetry snapshot a second and events as they happen) and, every few
- * seconds, GET /v1/status for what does not change (model, device). Draws the charts with
+ * seconds, GET /v1/status for what does not change (model, device) and the fleet grant and
+ * its lease (every two seconds while the fleet is on). Draws the charts with
  * uPlot (vendor/). The policy form sends PUT /v1/control/policy with the bearer token the
  * operator pastes; the token lives in one variable of this closure and nowhere else (not
  * the URL, not storage, not cookies), and a 401/403 forgets it.
@@ -13,6 +14,7 @@
   const WINDOW_S = 300;
   const CHART_HEIGHT_PX = 190;
   const STATUS_REFRESH_MS = 10000;
+  const FLEET_STATUS_REFRESH_MS = 2000; // grants change every allocation period
   const RECONNECT_AFTER_END_MS = 5000;
   const EVENTS_SHOWN = 40;
   const MARKER_HOVER_PX = 6;
@@ -50,6 +52,7 @@
     energyJ: null, // device energy since the daemon started
     lastCounterJ: null, // the device's cumulative counter at the latest snapshot
     status: null, // the latest GET /v1/status
+    statusAtS: null, // when it came, by this browser's clock
   };
   let token = null; // the pasted bearer token: in memory only
   let formDirty = false;
@@ -90,6 +93,21 @@
     return (
       `budget ${fmt(p.power_budget_w)} W · TTFT ≤ ${fmt(p.ttft_slo_ms)} ms · ` +
       `TPOT ≤ ${fmt(p.tpot_slo_ms)} ms · mode ${p.mode}`
+    );
+  }
+
+  // The fleet's part of the budget: the grant in force and its lease, or the safe floor.
+  function fleetText(f) {
+    const link = f.connected ? "" : " · allocator link down";
+    if (f.source !== "grant") {
+      const why = f.source === "safe_floor_lease_expired" ? "lease expired" : "no grant yet";
+      return `safe floor ${fmt(f.budget_w)} W (${why})${link}`;
+    }
+    const sinceS = data.statusAtS === null ? 0 : Date.now() / 1000 - data.statusAtS;
+    const leftS = Math.max(0, (finite(f.lease_left_s) ?? 0) - sinceS);
+    return (
+      `${fmt(f.budget_w)} W · epoch ${f.epoch} · lease ${fmt(leftS)} s left ` +
+      `(expires ${hms(f.expires_at_unix_s)})${link}`
     );
   }
 
@@ -417,6 +435,9 @@
         (dev.mode === "control" ? "controlling" : "observe-only")
       : "not open yet";
     $("h-policy").textContent = policyText(latest?.policy ?? st?.policy);
+    const fleet = st?.server?.fleet;
+    $("h-fleet-fact").hidden = !fleet?.enabled;
+    if (fleet?.enabled) $("h-fleet").textContent = fleetText(fleet);
     let finished = 0;
     let met = 0;
     for (const t of data.telemetry) {
@@ -536,6 +557,7 @@
       const r = await fetch("/v1/status", { cache: "no-store" });
       if (r.ok) {
         data.status = await r.json();
+        data.statusAtS = Date.now() / 1000;
         const enabled = data.status.server?.control_enabled;
         if (enabled === false) {
           $("f-token-note").textContent =
@@ -546,6 +568,8 @@
     } catch (err) {
       // The stream's own state says the daemon is away; nothing to add here.
     }
+    const fleetOn = data.status?.server?.fleet?.enabled === true;
+    setTimeout(refreshStatus, fleetOn ? FLEET_STATUS_REFRESH_MS : STATUS_REFRESH_MS);
   }
 
   // ---- the policy form ----------------------------------------------------------------------
@@ -646,7 +670,6 @@
 
   for (const spec of SPECS) charts[spec.id] = makeChart(spec);
   setUpForm();
-  refreshStatus();
-  setInterval(refreshStatus, STATUS_REFRESH_MS);
+  refreshStatus(); // and again after each answer
   connect();
 })();

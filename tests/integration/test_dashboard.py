@@ -276,6 +276,7 @@ def test_dashboard_in_headless_chromium(server, browser, tmp_path) -> None:
                 timeout=15_000,
             )
             assert page.inner_text("#h-device").startswith("virtual · ")
+            assert page.is_hidden("#h-fleet-fact")  # no fleet on this daemon
             time.sleep(LOAD_BEFORE_STEP_S)
             before = page.evaluate(f"() => {points}")
             page.wait_for_function(f"() => {points} >= {before + 3}", timeout=15_000)
@@ -357,3 +358,102 @@ def test_dashboard_in_headless_chromium(server, browser, tmp_path) -> None:
             assert all("status of 401" in e for e in errors) and len(errors) == 1, errors
     finally:
         page.close()
+
+
+# ---- the fleet grant -----------------------------------------------------------------------
+
+FLEET_NODE = "dash-fleet"
+FLEET_FLOOR_W = 250.0
+
+
+def publish_grant(port: int, payload: bytes) -> None:
+    """One retained grant for FLEET_NODE (empty: clear the retained one), as the allocator
+    publishes it."""
+    import asyncio
+
+    import aiomqtt
+
+    async def send() -> None:
+        async with aiomqtt.Client("127.0.0.1", port) as c:
+            await c.publish(f"wattserve/{FLEET_NODE}/grant", payload, qos=1, retain=True)
+
+    # On a thread of its own: Playwright's sync API runs an event loop on this one.
+    worker = threading.Thread(target=lambda: asyncio.run(send()))
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive()
+
+
+def test_dashboard_shows_the_fleet_grant_and_lease(broker, tiny_llama, browser, tmp_path):
+    from daemon.config import FleetConfig
+    from daemon.mqtt.payloads import GrantPayload
+
+    cfg = dashboard_config(tmp_path / "device-state").model_copy(
+        update={
+            "mqtt": MqttConfig(
+                enabled=True,
+                host="127.0.0.1",
+                port=broker.port,
+                node_id=FLEET_NODE,
+                reconnect_initial_ms=50,
+                reconnect_max_ms=300,
+            ),
+            "fleet": FleetConfig(enabled=True, safe_floor_w=FLEET_FLOOR_W, demand_interval_ms=200),
+        }
+    )
+
+    def grant(epoch: int, budget_w: float, lease_s: float) -> GrantPayload:
+        now_s = time.time()
+        return GrantPayload(
+            node_id=FLEET_NODE,
+            budget_w=budget_w,
+            epoch=epoch,
+            expires_at_unix_s=now_s + lease_s,
+            issued_at_unix_s=now_s,
+        )
+
+    def fleet_text_starts(prefix: str) -> str:
+        return (
+            "() => { const f = document.getElementById('h-fleet-fact');"
+            f" return !f.hidden && document.getElementById('h-fleet').textContent"
+            f".startsWith({json.dumps(prefix)}); }}"
+        )
+
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+    try:
+        with running_server(cfg, tiny_llama, environ={"WATTSERVE_API_TOKEN": TOKEN}) as srv:
+            page.goto(f"{srv.base_url}/")
+            # No grant yet: the safe floor, and why.
+            page.wait_for_function(
+                fleet_text_starts("safe floor 250 W (no grant yet)"), timeout=15_000
+            )
+            # A live grant: its budget, epoch and lease appear (status is polled).
+            epoch = int(time.time() * 1000)
+            live = grant(epoch, 430.0, lease_s=120.0)
+            publish_grant(broker.port, live.to_json_bytes())
+            page.wait_for_function(
+                fleet_text_starts(f"430 W · epoch {epoch} · lease "), timeout=15_000
+            )
+            shown = page.inner_text("#h-fleet")
+            assert "s left (expires " in shown, shown
+            status = httpx.get(f"{srv.base_url}/v1/status").json()["server"]["fleet"]
+            assert status["source"] == "grant" and status["epoch"] == epoch
+            assert status["expires_at_unix_s"] == live.expires_at_unix_s
+            assert 0 < status["lease_left_s"] <= 120.0
+            assert "budget 430 W" in page.inner_text("#h-policy")
+            # A newer grant with a lease of two seconds and no renewal: once it runs out the
+            # node is back at its safe floor, and the page says so.
+            publish_grant(broker.port, grant(epoch + 1, 420.0, lease_s=2.0).to_json_bytes())
+            page.wait_for_function(
+                fleet_text_starts("safe floor 250 W (lease expired)"), timeout=20_000
+            )
+            status = httpx.get(f"{srv.base_url}/v1/status").json()["server"]["fleet"]
+            assert status["source"] == "safe_floor_lease_expired" and status["epoch"] is None
+            assert status["budget_w"] == FLEET_FLOOR_W
+            assert errors == [], errors
+    finally:
+        page.close()
+        publish_grant(broker.port, b"")

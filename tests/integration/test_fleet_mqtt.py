@@ -32,12 +32,25 @@ WAIT_S = 20.0
 class FakeNode:
     """A node link whose demand is `power_w` at SLO pressure `pressure` (p99 / SLO)."""
 
-    def __init__(self, broker: Broker, node_id: str, power_w: float, pressure: float) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        node_id: str,
+        power_w: float,
+        pressure: float,
+        port: int | None = None,  # another way to the broker (a relay), else the broker's
+    ) -> None:
         self.node_id = node_id
         self.power_w, self.pressure = power_w, pressure
         self.applied: list[float] = []
         self.link = FleetNodeLink(
-            MqttConfig(host="127.0.0.1", port=broker.port, node_id=node_id),
+            MqttConfig(
+                host="127.0.0.1",
+                port=port or broker.port,
+                node_id=node_id,
+                reconnect_initial_ms=50,
+                reconnect_max_ms=300,
+            ),
             FleetConfig(enabled=True, safe_floor_w=SAFE_FLOOR_W, demand_interval_ms=200),
             demand_source=self.demand,
             apply_budget=lambda w, why: self.applied.append(w),
@@ -78,6 +91,57 @@ def service(broker: Broker, tmp_path: Path, instance: str, **allocator) -> Fleet
         }
     )
     return FleetService(cfg, rng=random.Random(1))
+
+
+class LinkCutter:
+    """A loopback TCP relay to the broker that the test can cut, as a failed switch port or
+    a dead uplink would: every connection through it is aborted and new ones are refused,
+    while the process at the node's end (its lease keeping) runs on."""
+
+    def __init__(self, broker_port: int) -> None:
+        self.broker_port = broker_port
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._transports: list[asyncio.BaseTransport] = []
+        self._pipes: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.broker_port)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._transports += [writer.transport, up_writer.transport]
+        pipes = [
+            asyncio.create_task(self._pipe(reader, up_writer)),
+            asyncio.create_task(self._pipe(up_reader, writer)),
+        ]
+        self._pipes.update(pipes)
+        await asyncio.gather(*pipes, return_exceptions=True)
+
+    @staticmethod
+    async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        try:
+            while chunk := await src.read(65536):
+                dst.write(chunk)
+                await dst.drain()
+        except ConnectionError:
+            pass
+        finally:
+            dst.transport.abort()
+
+    async def cut(self) -> None:
+        assert self._server is not None
+        self._server.close()  # no new connections
+        for transport in self._transports:
+            transport.abort()
+        for task in self._pipes:
+            task.cancel()
+        await asyncio.gather(*self._pipes, return_exceptions=True)
 
 
 def site_sums(nodes: list[FakeNode]) -> list[float]:
@@ -217,5 +281,76 @@ def test_a_broker_restart_is_survived(own_broker, tmp_path):
         await task
         for n in (web, batch):
             await n.link.stop()
+
+    run(body, 120)
+
+
+def test_a_cut_node_falls_to_its_floor_and_is_charged_until_lease_and_grace(broker, tmp_path):
+    """The link between one node and the broker dies (the node runs on). The node drops to
+    its safe floor when its lease runs out; the allocator charges it max(last grant, last
+    seen power) from when it goes silent until its last lease plus the grace, so the other
+    node is held below the budget less that charge; then it is released to its floor and
+    the other node grows into the freed watts."""
+    lease_s, grace_s, measured_w = 3.0, 4.0, 650.0
+
+    async def body() -> None:
+        relay = LinkCutter(broker.port)
+        await relay.start()
+        # web draws 650 W at low pressure: it needs 650 x 0.5 x 1.1 = 357.5 W, less than it
+        # was last seen drawing. batch asks for its ceiling.
+        web = FakeNode(broker, "web", power_w=measured_w, pressure=0.5, port=relay.port)
+        batch = FakeNode(broker, "batch", power_w=400.0, pressure=2.0)
+        for n in (web, batch):
+            timed(n)
+            await n.link.start()
+        alloc = service(broker, tmp_path, "cut", lease_s=lease_s, grace_s=grace_s)
+        rounds = []
+        inner = alloc.allocator.round
+
+        def recording(now_s: float):
+            result = inner(now_s)
+            rounds.append(result)
+            return result
+
+        alloc.allocator.round = recording  # type: ignore[method-assign]
+        stop = asyncio.Event()
+        task = asyncio.create_task(alloc.run(stop))
+        # web (band 1) gets its need, batch the rest of the 900 W.
+        await wait_until(lambda: web.applied and 340 <= web.budget_w <= 380, WAIT_S)
+        await wait_until(lambda: batch.applied and batch.budget_w > 500, WAIT_S)
+
+        await relay.cut()
+        cut_round = len(rounds)
+        # The node: no grant reaches it any more; its lease runs out to the safe floor.
+        await wait_until(lambda: not web.link.connected, WAIT_S)
+        await wait_until(lambda: web.link.gate.in_force is None, WAIT_S)
+        assert web.budget_w == SAFE_FLOOR_W and web.link.counts["lease_expired"] >= 1
+        # The allocator: web goes silent, stays charged, and is released after lease + grace.
+        await wait_until(lambda: rounds[-1].nodes["web"].state == "released", 3 * WAIT_S)
+        await wait_until(lambda: batch.budget_w > 600, WAIT_S)  # into the freed watts
+        stop.set()
+        await task
+        for n in (web, batch):
+            await n.link.stop()
+
+        after = rounds[cut_round:]
+        issued = [g for r in rounds for g in r.grants if g.node_id == "web"]
+        last = issued[-1]  # the last grant issued to web, whether or not it arrived
+        silent = [r for r in after if r.nodes["web"].state == "silent"]
+        released = [r for r in after if r.nodes["web"].state == "released"]
+        assert silent and released
+        for r in silent:
+            assert r.nodes["web"].charge_w == max(last.budget_w, measured_w) == measured_w
+            assert r.nodes["web"].grant_w is None  # no grant for a silent node
+            # The hard partition holds the silent node's charge: batch gets at most the rest.
+            assert r.nodes["batch"].grant_w <= BUDGET_W - measured_w + 1e-6
+            assert r.time_s < last.expires_s + grace_s
+        first_released = released[0]
+        assert first_released.time_s >= last.expires_s + grace_s
+        assert max(r.time_s for r in silent) < first_released.time_s
+        for r in released:
+            assert r.nodes["web"].charge_w == 150.0  # its floor
+        # Whatever the order of the changes, the limits in force never summed above it.
+        assert max(site_sums([web, batch])) <= BUDGET_W + 1e-6
 
     run(body, 120)

@@ -74,6 +74,9 @@ def refused(r: subprocess.CompletedProcess[str], why: str) -> bool:
         "etc/wattserve/api-token",
         "etc/systemd/system/wattserve.service",
         "opt/wattserve/share/wattserve/systemd/config.example.toml",
+        "etc/wattserve/fleet.toml",
+        "etc/systemd/system/wattserve-fleet.service",
+        "opt/wattserve/share/wattserve/systemd/fleet.example.toml",
     ],
 )
 def test_a_link_at_a_target_path_is_refused_and_not_written_through(root, victim, target):

@@ -173,12 +173,16 @@ def test_install_tree_is_as_documented_and_idempotent(tmp_path) -> None:
     files = {
         "etc/systemd/system/wattserve.service": "-644",
         "etc/systemd/system/wattserve@.service": "-644",
+        "etc/systemd/system/wattserve-fleet.service": "-644",
         "etc/wattserve/config.toml": "-644",
+        "etc/wattserve/fleet.toml": "-644",
         "etc/wattserve/api-token": "-600",
         f"{share}/wattserve.service": "-644",
         f"{share}/wattserve@.service": "-644",
         f"{share}/wattserve-control.conf": "-644",
         f"{share}/config.example.toml": "-644",
+        f"{share}/wattserve-fleet.service": "-644",
+        f"{share}/fleet.example.toml": "-644",
     }
     first = tree(root)
     assert {k: v for k, v in first.items() if v[0] == "-"} == files
@@ -188,16 +192,27 @@ def test_install_tree_is_as_documented_and_idempotent(tmp_path) -> None:
     assert (root / "etc/wattserve/config.toml").read_text() == (
         SYSTEMD_DIR / "config.example.toml"
     ).read_text()
+    # The fleet allocator's unit (not enabled: no [Install] link is made) and its example.
+    assert (root / "etc/systemd/system/wattserve-fleet.service").read_text() == (
+        SYSTEMD_DIR / "wattserve-fleet.service"
+    ).read_text()
+    assert (root / "etc/wattserve/fleet.toml").read_text() == (
+        SYSTEMD_DIR / "fleet.example.toml"
+    ).read_text()
+    assert not (root / "etc/systemd/system/multi-user.target.wants").exists()
     token = (root / "etc/wattserve/api-token").read_text()
     assert re.fullmatch(r"[0-9a-f]{64}\n", token)
 
-    # Again, after the admin edited the config: same tree, config and token kept.
+    # Again, after the admin edited the configs: same tree, configs and token kept.
     (root / "etc/wattserve/config.toml").write_text("[server]\nport = 8001\n")
+    edited_fleet = (root / "etc/wattserve/fleet.toml").read_text().replace("2400.0", "3000.0")
+    (root / "etc/wattserve/fleet.toml").write_text(edited_fleet)
     r = install(root, "--no-venv")
     assert r.returncode == 0, r.stderr
     assert tree(root) == first
     assert (root / "etc/wattserve/api-token").read_text() == token
     assert (root / "etc/wattserve/config.toml").read_text() == "[server]\nport = 8001\n"
+    assert (root / "etc/wattserve/fleet.toml").read_text() == edited_fleet
 
     # --control adds the drop-in, and only that.
     r = install(root, "--no-venv", "--control")
@@ -213,7 +228,11 @@ def test_install_tree_is_as_documented_and_idempotent(tmp_path) -> None:
     r = install(root, "--uninstall")
     assert r.returncode == 0, r.stderr
     left = {k for k, v in tree(root).items() if v[0] == "-"}
-    assert left == {"etc/wattserve/config.toml", "etc/wattserve/api-token"}
+    assert left == {
+        "etc/wattserve/config.toml",
+        "etc/wattserve/fleet.toml",
+        "etc/wattserve/api-token",
+    }
     assert not (root / "opt/wattserve").exists()
     assert not (root / "etc/systemd/system/wattserve.service.d").exists()
     assert (root / "var/lib/private/wattserve").is_dir()
@@ -297,16 +316,9 @@ def test_unit_limits_fit_the_server_limits() -> None:
         assert _bytes(memory_max) >= 4 * buffers, (memory_max, buffers)
 
 
-def fleet_root(tmp_path: Path) -> Path:
-    """A tree with the fleet unit installed where systemd-analyze looks, like install.sh."""
-    root = analyzable_root(tmp_path, control=False)
-    shutil.copy(SYSTEMD_DIR / "wattserve-fleet.service", root / "etc/systemd/system")
-    return root
-
-
 @needs_analyze
 def test_fleet_unit_verifies_clean_and_is_tightly_sandboxed(tmp_path) -> None:
-    root = fleet_root(tmp_path)
+    root = analyzable_root(tmp_path, control=False)  # install.sh installs the fleet unit too
     r = analyze("verify", f"--root={root}", "wattserve-fleet.service")
     assert r.returncode == 0 and r.stdout + r.stderr == "", r.stdout + r.stderr
     r = analyze(
@@ -318,10 +330,14 @@ def test_fleet_unit_verifies_clean_and_is_tightly_sandboxed(tmp_path) -> None:
     assert float(m.group(1)) <= min(MAX_EXPOSURE, exposure(root))
 
 
-def test_fleet_example_config_loads_and_its_floors_fit() -> None:
+def test_fleet_example_config_loads_and_its_floors_fit(tmp_path) -> None:
     from daemon.fleet_service import load_fleet_config
 
-    cfg = load_fleet_config(SYSTEMD_DIR / "fleet.example.toml")
+    root = tmp_path / "root"
+    root.mkdir()
+    r = install(root, "--no-venv")
+    assert r.returncode == 0, r.stderr
+    cfg = load_fleet_config(root / "etc/wattserve/fleet.toml")  # as installed
     assert sum(n.floor_w for n in cfg.nodes) <= cfg.allocator.site_budget_w
     unit = (SYSTEMD_DIR / "wattserve-fleet.service").read_text()
     assert "wattserve fleet --config %E/wattserve/fleet.toml" in unit

@@ -24,6 +24,7 @@ def asks_and_budget(draw, max_nodes: int = 12):
             ceiling_w=ceiling_w,
             need_w=draw(st.floats(0, 900)),
             goodput_per_w=draw(st.floats(0, 20)),
+            share_w=draw(st.sampled_from([0.0, 150.0, 400.0])),
         )
     floors_w = sum(a.floor_w for a in asks.values())
     budget_w = floors_w + draw(st.floats(0, 3000))
@@ -73,10 +74,50 @@ def test_more_need_never_gets_less(case, data):
     ask = asks[node]
     bigger = dict(asks)
     bigger[node] = NodeAsk(
-        ask.band, ask.floor_w, ask.ceiling_w, ask.need_w + more_w, ask.goodput_per_w
+        ask.band, ask.floor_w, ask.ceiling_w, ask.need_w + more_w, ask.goodput_per_w, ask.share_w
     )
     after = allocate(bigger, budget_w)[node]
     assert after >= before - 1e-3
+
+
+@settings(max_examples=300, deadline=None)
+@given(asks_and_budget())
+def test_no_node_gets_past_its_fair_share_while_one_of_its_band_is_short_of_its_own(case):
+    asks, budget_w = case
+    grants = allocate(asks, budget_w)
+    for node, ask in asks.items():
+        if grants[node] < ask.owed_w - 1e-3:
+            for other, peer in asks.items():
+                if peer.band == ask.band:
+                    assert grants[other] <= peer.owed_w + 1e-3, (node, other)
+
+
+def test_the_fair_share_comes_before_the_water_filling():
+    asks = {
+        "efficient": NodeAsk(0, 100, 700, 600, goodput_per_w=10, share_w=350),
+        "wasteful": NodeAsk(0, 100, 700, 600, goodput_per_w=1, share_w=350),
+        "idle": NodeAsk(0, 100, 700, 120, goodput_per_w=0, share_w=350),
+    }
+    grants = allocate(asks, 920)
+    # The idle node's unneeded share is water-filled; the wasteful node keeps its share.
+    assert grants["idle"] == pytest.approx(120)
+    assert grants["wasteful"] == pytest.approx(350)
+    assert grants["efficient"] == pytest.approx(450)
+    # Without fair shares the wasteful node gets less than its share.
+    bare = {
+        n: NodeAsk(a.band, a.floor_w, a.ceiling_w, a.need_w, a.goodput_per_w)
+        for n, a in asks.items()
+    }
+    assert allocate(bare, 920)["wasteful"] < 350
+
+
+def test_fair_shares_that_do_not_fit_are_cut_equally():
+    asks = {
+        "a": NodeAsk(0, 100, 700, 600, goodput_per_w=10, share_w=400),
+        "b": NodeAsk(0, 100, 700, 600, goodput_per_w=1, share_w=400),
+        "c": NodeAsk(0, 100, 700, 150, goodput_per_w=1, share_w=400),
+    }
+    assert allocate(asks, 650) == pytest.approx({"a": 250, "b": 250, "c": 150})
 
 
 def test_water_filling_favours_the_node_a_watt_helps_most():

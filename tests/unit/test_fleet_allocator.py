@@ -116,6 +116,12 @@ def test_floors_over_the_budget_refuse_to_start():
         make_fleet(4, 399.0)
 
 
+@pytest.mark.parametrize("ratio", [-0.1, 1.5])
+def test_a_fair_share_ratio_outside_0_1_is_refused(ratio):
+    with pytest.raises(FleetConfigError, match="fair_share_ratio"):
+        make_fleet(2, 900.0, fair_share_ratio=ratio)
+
+
 def drive(alloc, nodes, needs, now_s, rounds, gain=None):
     result = None
     for _ in range(rounds):
@@ -240,3 +246,20 @@ def test_a_takeover_keeps_the_grants_in_force_and_outbids_their_epochs():
     grants = {g.node_id: g for g in result.grants}
     assert result.epoch > held.epoch  # the nodes accept them
     assert grants["n1"].budget_w == pytest.approx(held.budget_w)  # no cut to the floor
+
+
+@pytest.mark.parametrize(("ratio", "owed_w"), [(1.0, 450.0), (0.0, None)])
+def test_a_node_that_needs_its_equal_share_keeps_it(ratio, owed_w):
+    # Two nodes in one band, 900 W: the equal split is 450 W each. The node a watt helps
+    # less still gets 450 W with fair shares on; without, water-filling gives it less.
+    specs = [NodeSpec(f"n{i}", floor_w=100.0, ceiling_w=700.0) for i in range(2)]
+    params = AllocatorParams(site_budget_w=900.0, period_s=PERIOD_S, fair_share_ratio=ratio)
+    alloc = Allocator(specs, params, random.Random(1))
+    nodes = {s.node_id: SimNode(s) for s in specs}
+    result, _ = drive(alloc, nodes, {"n0": 700, "n1": 700}, 0.0, 30, gain={"n0": 10, "n1": 1})
+    grants = {g.node_id: g.budget_w for g in result.grants}
+    assert sum(grants.values()) <= 900 + 1e-6
+    if owed_w is None:
+        assert grants["n1"] < 400
+    else:
+        assert grants["n1"] == pytest.approx(owed_w, abs=11)  # within the hysteresis

@@ -124,7 +124,17 @@ def test_fleet_link_applies_grants_through_its_budget_sink_only_when_they_change
         clock=lambda: now["unix"],
         monotonic=lambda: now["mono"],
     )
+    status = link.status()
+    assert (status["source"], status["budget_w"], status["epoch"]) == (
+        "safe_floor_no_grant_yet",
+        150.0,
+        None,
+    )
     assert link.on_grant(grant(5).to_json_bytes()).applied
+    status = link.status()
+    assert (status["source"], status["budget_w"], status["epoch"]) == ("grant", 400.0, 5)
+    assert status["expires_at_unix_s"] == grant(5).expires_at_unix_s
+    assert status["lease_left_s"] == pytest.approx(grant(5).expires_at_unix_s - NOW_S)
     assert link.on_grant(grant(6).to_json_bytes()).reason == "renewed"
     assert link.on_grant(b'{"schema": 1, "budget_w": -3}').reason == "invalid"
     assert link.on_grant(grant(4, budget_w=900.0).to_json_bytes()).reason == "older_epoch"
@@ -132,7 +142,9 @@ def test_fleet_link_applies_grants_through_its_budget_sink_only_when_they_change
     assert link.check_lease()
     assert [w for w, _ in applied] == [400.0, 150.0]
     assert link.counts == {"applied": 1, "renewed": 1, "rejected": 2, "lease_expired": 1}
-    assert link.status()["budget_w"] == 150.0 and link.status()["grant"] is None
+    status = link.status()
+    assert status["budget_w"] == 150.0 and status["grant"] is None
+    assert status["source"] == "safe_floor_lease_expired" and status["lease_left_s"] is None
 
 
 def test_fleet_config_is_off_by_default_and_needs_a_floor_and_mqtt():
