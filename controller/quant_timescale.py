@@ -46,7 +46,7 @@ class QuantTimescale:
         if self._exploring is None:
             return
         tried, before = self._exploring
-        model = self._step_models.get(before)
+        model = self.learner.step_models.get(before)
         if step.quant_level != tried or model is None:
             return
         if model.samples < self.params.learning_min_steps:
@@ -110,10 +110,10 @@ class QuantTimescale:
             self._slow_here_s[tried] = now_s
         elif (
             now_s - self._trial_started_s >= p.quant_trial_max_s
-            and self._step_model(tried).samples < p.learning_min_steps
+            and self.learner.step_model(tried).samples < p.learning_min_steps
         ):
             why = (
-                f"only {self._step_model(tried).samples} steps in "
+                f"only {self.learner.step_model(tried).samples} steps in "
                 f"{now_s - self._trial_started_s:.0f} s"
             )
         if why is None:
@@ -170,20 +170,23 @@ class QuantTimescale:
             # only briefly (near the top clock) starts from the clock sensitivity learned
             # for the other one (StepTimeModel.as_prior), so it is judged where the other
             # already runs, not only where it was tried.
-            clocks = self._clock_range(lv, now_s, ceiling)
+            clocks = self.outlook().clock_range(lv, ceiling)
             if compare:
-                against = self._clock_range(other or level, now_s, ceiling)
+                against = self.outlook().clock_range(other or level, ceiling)
                 clocks = sorted(set(clocks) | set(against))
             preds = [
-                self._predict(lv, f, base.max_num_seqs, base.max_num_batched_tokens, workload, temp)
+                self.outlook().predict(
+                    lv, f, base.max_num_seqs, base.max_num_batched_tokens, workload, temp
+                )
                 for f in clocks
             ]
             ok = [
                 pr
                 for pr in preds
-                if self._feasible(pr, budget_w) and (lv == level or self._batch_trusted(pr, batch))
+                if self.outlook().feasible(pr, budget_w)
+                and (lv == level or self.outlook().batch_trusted(pr, batch))
             ]
-            return min(ok, key=self._score) if ok else None
+            return min(ok, key=self.outlook().score) if ok else None
 
         def switch(to: Prediction, why: str) -> Choice:
             self._last_quant_switch_s = now_s
@@ -194,7 +197,7 @@ class QuantTimescale:
             clock = to.sm_clock_mhz
             here = base.sm_clock_mhz or self.device.sm_clock_max_mhz
             if here > clock:
-                at_here = self._predict(
+                at_here = self.outlook().predict(
                     to.quant_level,
                     here,
                     base.max_num_seqs,
@@ -202,7 +205,7 @@ class QuantTimescale:
                     workload,
                     temp,
                 )
-                if self._within_budget(at_here, budget_w):
+                if self.outlook().within_budget(at_here, budget_w):
                     clock = here
             return Choice(
                 ControllerState.TRACKING,
@@ -215,8 +218,8 @@ class QuantTimescale:
         def headroom(lv: str) -> Prediction:
             # At the highest clock the budget allows.
             top = ceiling if ceiling is not None else self.device.sm_clock_max_mhz
-            top = min(top, self._safe_clock(budget_w, temp))
-            return self._predict(
+            top = min(top, self.outlook().safe_clock(budget_w, temp))
+            return self.outlook().predict(
                 lv, top, base.max_num_seqs, base.max_num_batched_tokens, workload, temp
             )
 
@@ -228,7 +231,7 @@ class QuantTimescale:
 
         if self._exploring is not None:
             tried, before = self._exploring
-            learned = self._step_model(tried).samples >= p.learning_min_steps
+            learned = self.learner.step_model(tried).samples >= p.learning_min_steps
             if since < p.quant_explore_dwell_s or not learned:
                 return None
             # The trial is over: keep the level tried only if it is predicted better.
@@ -236,7 +239,9 @@ class QuantTimescale:
             self._last_quant_switch_s = now_s
             # Both over the same clocks: the union of where either has been trusted.
             mine, theirs = best_for(tried, True, before), best_for(before, True, tried)
-            if theirs is not None and (mine is None or self._score(theirs) <= self._score(mine)):
+            if theirs is not None and (
+                mine is None or self.outlook().score(theirs) <= self.outlook().score(mine)
+            ):
                 if self._trial_measured_s > self._trial_expected_s > 0.0:
                     # Slower than the level before, if not by enough to end the trial early:
                     # the table that ranked it faster is wrong here too.
@@ -264,13 +269,19 @@ class QuantTimescale:
         # The model's word alone is not enough: on the real engine fp32 was predicted short
         # of the TTFT margin at the top clock while its requests met the SLO, and the
         # escape tried bf16 under load with the full chunk, at seconds per prefill step.
-        troubled = self._waiting_now > 0 or now_s - self._last_guard_s < p.quant_stuck_busy_s
+        troubled = (
+            self.learner.waiting_now > 0
+            or now_s - self.latency_guard.state.last_fired_s < p.quant_stuck_busy_s
+        )
         stuck = (
             self._stuck_since_s is not None
             and now_s - self._stuck_since_s >= p.quant_stuck_s
             and troubled
         )
-        busy = self._waiting_now > 0 or now_s - self._last_guard_s < p.guard_hold_s
+        busy = (
+            self.learner.waiting_now > 0
+            or now_s - self.latency_guard.state.last_fired_s < p.guard_hold_s
+        )
         stuck_for = now_s - self._stuck_since_s if self._stuck_since_s is not None else 0.0
         stuck_long = stuck_for >= max(p.quant_stuck_s, p.quant_stuck_busy_s)
         if busy and not stuck_long:
@@ -291,14 +302,14 @@ class QuantTimescale:
         # more than a model fitted on small batches. (On a diurnal ramp, int8 tried in the
         # calm of the morning held the peak at the top clock for a minute.)
         mine = hint(level)[0]
-        table_rules = mine < 0.0 and self._running_peak >= p.quant_table_batch_min
+        table_rules = mine < 0.0 and self.learner.running_peak >= p.quant_table_batch_min
         if table_rules:
             ahead = [
                 lv
                 for lv in allowed
                 if lv != level
-                and lv in self._step_models
-                and self._step_models[lv].samples >= p.learning_min_steps
+                and lv in self.learner.step_models
+                and self.learner.step_models[lv].samples >= p.learning_min_steps
                 and hint(lv)[0] < mine
                 and now_s - self._slow_here_s.get(lv, -math.inf) >= p.quant_slow_retry_s
             ]
@@ -307,20 +318,20 @@ class QuantTimescale:
                 to = best_for(lv, True) or headroom(lv)
                 return switch(
                     to,
-                    f"batches of {self._running_peak} run, where the speed table ranks {lv} "
+                    f"batches of {self.learner.running_peak} run, where the speed table ranks {lv} "
                     f"ahead of {level}",
                 )
         if since >= (p.quant_explore_dwell_s if stuck else p.quant_dwell_s):
             # Only levels whose models have seen batches like the largest of the last
             # quant_peak_window_s: the level is the slow knob, and the load comes back.
-            peak = self._running_peak
+            peak = self.learner.running_peak
             # Where the table rules (above), not to a level it ranks slower: no flip-flop.
             known = [
                 best_for(lv, True, batch=peak)
                 for lv in allowed
                 if lv != level
-                and lv in self._step_models
-                and self._step_models[lv].samples >= p.learning_min_steps
+                and lv in self.learner.step_models
+                and self.learner.step_models[lv].samples >= p.learning_min_steps
                 and not (table_rules and mine < hint(lv)[0] < 0.0)
             ]
             known = [pr for pr in known if pr is not None]
@@ -333,10 +344,10 @@ class QuantTimescale:
                         headroom(lv)
                         for lv in allowed
                         if lv != level
-                        and lv in self._step_models
-                        and self._step_models[lv].samples >= p.learning_min_steps
+                        and lv in self.learner.step_models
+                        and self.learner.step_models[lv].samples >= p.learning_min_steps
                     )
-                    if self._batch_trusted(pr, peak)
+                    if self.outlook().batch_trusted(pr, peak)
                 ]
                 if others:
                     ahead = min(others, key=load)
@@ -347,8 +358,8 @@ class QuantTimescale:
                             "headroom at the top clock",
                         )
             if known:
-                best = min(known, key=self._score)
-                cur = self._score(current) if current is not None else math.inf
+                best = min(known, key=self.outlook().score)
+                cur = self.outlook().score(current) if current is not None else math.inf
                 if stuck:
                     return switch(best, f"{level} cannot meet the targets at any trusted clock")
                 if current is None:
@@ -356,8 +367,8 @@ class QuantTimescale:
                 # Going back to a level left recently needs twice the gain (no flip-flop).
                 left_s = now_s - self._quant_left_s.get(best.quant_level, -math.inf)
                 need = p.quant_gain_min_pct * (2.0 if left_s < 3 * p.quant_dwell_s else 1.0)
-                if self._score(best) < cur * (1.0 - need / 100.0):
-                    gain = (1 - self._score(best) / cur) * 100
+                if self.outlook().score(best) < cur * (1.0 - need / 100.0):
+                    gain = (1 - self.outlook().score(best) / cur) * 100
                     return switch(best, f"predicted {gain:.0f}% better after a {since:.0f} s dwell")
 
         # Levels never run have no model of their own: try each once. When the current level
@@ -367,7 +378,7 @@ class QuantTimescale:
         unexplored = [
             lv
             for lv in allowed
-            if lv != level and lv not in self._explored and lv not in self._step_models
+            if lv != level and lv not in self._explored and lv not in self.learner.step_models
         ]
         what = "never measured here"
 
@@ -382,15 +393,15 @@ class QuantTimescale:
                 lv
                 for lv in allowed
                 if lv != level
-                and lv in self._step_models
-                and self._running_now > self._trusted_batch(lv)
+                and lv in self.learner.step_models
+                and self.learner.running_now > self.outlook().trusted_batch(lv)
                 and now_s - self._retried_s.get(lv, -math.inf) >= p.quant_peak_window_s
                 and now_s - self._slow_here_s.get(lv, -math.inf) >= p.quant_slow_retry_s
                 and faster(lv)
             ]
             if retry or not unexplored:
                 unexplored = retry
-                what = f"not measured at batches of {self._running_now} yet"
+                what = f"not measured at batches of {self.learner.running_now} yet"
         # A level whose prefill the table measured slower than the level in force's beyond
         # the trial's slowdown bound is not tried: each of its prefill steps would hold the
         # requests behind it longer than a trial tolerates, before any verdict can come (on
@@ -416,7 +427,7 @@ class QuantTimescale:
         if not stuck and table_rules:
             unexplored = [lv for lv in unexplored if hint(lv)[0] < mine or hint(lv)[0] == 0.0]
         steady_s = now_s - self._feasible_since_s if self._feasible_since_s is not None else 0.0
-        calm = now_s - self._last_guard_s >= p.guard_hold_s and steady_s >= 5.0
+        calm = now_s - self.latency_guard.state.last_fired_s >= p.guard_hold_s and steady_s >= 5.0
         # Once a trial has measured a level much slower than the table said, the table is
         # not trusted to pick an escape under load: later trials wait for a calm moment.
         table_wrong = any(now_s - t < p.quant_slow_retry_s for t in self._slow_here_s.values())
