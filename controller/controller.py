@@ -24,7 +24,7 @@ from controller.models import (
 from controller.outlook import Outlook
 from controller.policy import ControlMode, Knobs, Objective, Policy, allowed_quant_levels
 from controller.power_guard import PowerGuard
-from controller.quant_timescale import QuantTimescale
+from controller.quant import QuantTimescale
 from controller.signals import (
     DeviceConstraints,
     EngineConstraints,
@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 
-class Controller(QuantTimescale):
+class Controller:
     """Decides the knobs from observations, on separate timescales.
 
     NOTE: predict, then guard. Every observation first feeds the models: each engine step
@@ -99,12 +99,12 @@ class Controller(QuantTimescale):
         self.device = device
         self.engine = engine
         self._policy = policy
-        self._levels = {o.level: o for o in engine.quant_options}
         self.limits = Limits(device, engine, self.params)
         reference_w = device.power_limit_max_w or policy.power_budget_w
         self.learner = Learner(self.params, device.sm_clock_max_mhz, reference_w)
         self.power_guard = PowerGuard(self.params, self.limits, self.learner)
         self.latency_guard = LatencyGuard(self.params, self.limits, self.learner)
+        self.quant = QuantTimescale(self.params, self.limits, self.learner, self.latency_guard)
         self.counters = ControllerCounters()
         self.state = ControllerState.LEARNING
         self._knobs = self.limits.clamp(initial_knobs)
@@ -123,12 +123,10 @@ class Controller(QuantTimescale):
         self._last_batch_s = -math.inf
         self._last_pace_s = -math.inf
         self._last_chunk_change_s = -math.inf
-        self._init_quant_state()
         self._stale_since_s: float | None = None
         self._idle_since_s: float | None = None
         self._now_s = 0.0
         self._feasible_since_s: float | None = None
-        self._stuck_since_s: float | None = None
         self._infeasible_since_s: float | None = None
 
     def outlook(self, now_s: float | None = None) -> Outlook:
@@ -248,7 +246,7 @@ class Controller(QuantTimescale):
             paced=self._knobs.decode_interval_ms > 0,
             tracking=self.state == ControllerState.TRACKING,
             since_clock_change_s=now_s - self._last_clock_change_s,
-            before_step=self._judge_trial_step,
+            before_step=self.quant.judge_trial_step,
         )
         for x in stats.ttft_s:
             if now_s - x >= self._last_shape_change_s:
@@ -326,7 +324,7 @@ class Controller(QuantTimescale):
         allowed = self._allowed_levels()
         level = base.quant_level or self.engine.full_precision_level
         if level not in allowed:
-            target = self._best_allowed_level(allowed, level)
+            target = self.quant.best_allowed_level(allowed, level)
             return Choice(
                 self.state if self.state != ControllerState.IDLE else ControllerState.TRACKING,
                 base.with_changes(quant_level=target),
@@ -336,7 +334,7 @@ class Controller(QuantTimescale):
             )
 
         # A trial whose steps measure much slower than the level before ends at once.
-        verdict = self._trial_verdict(base, now_s)
+        verdict = self.quant.verdict(base, now_s)
         if verdict is not None:
             return verdict
 
@@ -346,28 +344,29 @@ class Controller(QuantTimescale):
             telemetry, stats, base, outlook, ceiling, budget_w, workload
         )
         if latency is not None:
-            if (
-                self._exploring is not None
-                and not self._exploring_stuck
-                and not self._trial_vouched()
-            ):
-                # A calm trial that hurts latency ends at once; a trial begun because the
-                # previous level could not cope is not its fault, and goes on, as does one
-                # whose steps have vouched for it (then the clock is what the guard raises:
-                # steady60's bf16 trial, as fast as fp32's model, ended on a queue at
-                # 645 MHz, and fp32 ran 18 s more).
-                tried, before = self._exploring
-                self._exploring = None
+            # A calm trial that hurts latency ends at once; a trial begun because the
+            # previous level could not cope is not its fault, and goes on, as does one
+            # whose steps have vouched for it (then the clock is what the guard raises:
+            # steady60's bf16 trial, as fast as fp32's model, ended on a queue at
+            # 645 MHz, and fp32 ran 18 s more).
+            ended = self.quant.end_calm_trial()
+            if ended is not None:
+                tried, before = ended
                 latency.knobs = latency.knobs.with_changes(quant_level=before)
                 latency.reason += f"; trial of {tried} aborted, back to {before}"
                 return latency
             # Guards firing count as the level not coping; after quant_stuck_s of that,
             # the quantization step may escape to a level with more headroom.
-            if self._stuck_since_s is None:
-                self._stuck_since_s = now_s
-            elif now_s - self._stuck_since_s >= p.quant_stuck_s:
-                escape = self._quant_step(
-                    base, allowed, workload, telemetry.gpu_temp_c, now_s, budget_w, ceiling
+            if self.quant.not_coping(now_s):
+                escape = self.quant.step(
+                    base,
+                    allowed,
+                    workload,
+                    telemetry.gpu_temp_c,
+                    outlook,
+                    budget_w,
+                    ceiling,
+                    self._steady_s(now_s),
                 )
                 if escape is not None:
                     return escape
@@ -414,6 +413,10 @@ class Controller(QuantTimescale):
 
         # 7. Tracking: least predicted J/token meeting the SLOs, on three timescales.
         return self._track(base, allowed, workload, telemetry, now_s, budget_w, ceiling)
+
+    def _steady_s(self, now_s: float) -> float:
+        """How long the targets have been predicted met (0: not now)."""
+        return now_s - self._feasible_since_s if self._feasible_since_s is not None else 0.0
 
     def _current_knobs(self, telemetry: Telemetry | None, stats: EngineStats) -> Knobs:
         if self._policy.mode != ControlMode.OBSERVE:
@@ -500,7 +503,9 @@ class Controller(QuantTimescale):
         code, notes = Reason.STEADY, []
 
         # Slowest timescale: the quantization level.
-        switched = self._quant_step(base, allowed, workload, temp, now_s, budget_w, ceiling)
+        switched = self.quant.step(
+            base, allowed, workload, temp, self.outlook(), budget_w, ceiling, self._steady_s(now_s)
+        )
         if switched is not None:
             return switched
 
@@ -702,7 +707,7 @@ class Controller(QuantTimescale):
             or self._policy.objective == Objective.MIN_LATENCY
         ):
             return None
-        if now_s - self._last_pace_s < p.pace_period_s or self._exploring is not None:
+        if now_s - self._last_pace_s < p.pace_period_s or self.quant.exploring is not None:
             return None
         if self.learner.step_model(level).samples < p.descend_evidence_steps:
             return None  # a young model: its paced predictions rest on batches not seen
@@ -730,9 +735,7 @@ class Controller(QuantTimescale):
             return None
         longer = {i: at(i) for i in self._pace_candidates() if i > current}
         ok = [
-            i
-            for i, pr in longer.items()
-            if self.outlook().feasible(pr, budget_w, p.descend_margin)
+            i for i, pr in longer.items() if self.outlook().feasible(pr, budget_w, p.descend_margin)
         ]
         if not ok:
             return None
@@ -829,7 +832,7 @@ class Controller(QuantTimescale):
                 tokens = max(tokens, knobs.max_num_batched_tokens // 2)
         if tokens > knobs.max_num_batched_tokens and not self.limits.hw_limit_enforces(budget_w):
             tokens = knobs.max_num_batched_tokens
-        if self._probe_chunk_from is not None:
+        if self.quant.probing:
             tokens = knobs.max_num_batched_tokens  # a trial's probe holds its small chunk
         if tokens != knobs.max_num_batched_tokens:
             # The bound moves with the estimated decode batch, whose noise must not flip
@@ -855,11 +858,7 @@ class Controller(QuantTimescale):
     def _finish(
         self, choice: Choice, now_s: float, budget_w: float, telemetry: Telemetry | None
     ) -> Decision:
-        if self._probe_chunk_from is not None and self._exploring is None:
-            # However the trial ended, the chunk its probe cut comes back.
-            chunk = max(choice.knobs.max_num_batched_tokens, self._probe_chunk_from)
-            choice.knobs = choice.knobs.with_changes(max_num_batched_tokens=chunk)
-            self._probe_chunk_from = None
+        choice.knobs = self.quant.restore_probe_chunk(choice.knobs)
         self._hold_clock_under_hw_slowdown(choice, telemetry)
         knobs = self.limits.clamp(choice.knobs)
         if not self.device.can_lock_clocks and self.device.can_set_power_limit:

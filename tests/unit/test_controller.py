@@ -756,7 +756,7 @@ def test_a_trial_level_measured_much_slower_than_its_table_says_is_left_at_once(
     assert back.reason_code is Reason.QUANT_SWITCH and "aborted" in back.reason
     # Left on the evidence of its steps, well before the 10 s the trial would last.
     assert back.at_s - decisions[tried[0]].at_s < 4.0
-    assert ctl._slow_here_s.get("int8") is not None
+    assert ctl.quant.state.slow_here_s.get("int8") is not None
     after = decisions[decisions.index(back) :]
     assert all(d.knobs.quant_level == "fp32" for d in after)
 
@@ -792,9 +792,9 @@ def _guard_during_a_trial(vouched: bool) -> tuple[Controller, Decision]:
     for _ in range(int(240 / TICK_S)):
         telemetry, stats = plant.tick(knobs)
         knobs = ctl.observe(telemetry, stats, plant.t_s).knobs
-        if ctl._exploring is not None and (ctl._trial_vouched() or not vouched):
+        if ctl.quant.exploring is not None and (ctl.quant.trial_vouched() or not vouched):
             break
-    assert ctl._exploring == ("int8", "fp32") and ctl._trial_vouched() == vouched
+    assert ctl.quant.exploring == ("int8", "fp32") and ctl.quant.trial_vouched() == vouched
     telemetry, stats = plant.tick(knobs)
     stats = dataclasses.replace(stats, ttft_s=(3.0,))  # SLO 2 s
     ctl.latency_guard.state.last_fired_s = -math.inf
@@ -804,11 +804,11 @@ def _guard_during_a_trial(vouched: bool) -> tuple[Controller, Decision]:
 def test_a_latency_guard_ends_a_calm_trial_only_before_its_steps_vouch_for_it():
     ctl, d = _guard_during_a_trial(vouched=False)
     assert d.reason_code is Reason.SLO_MISS and "trial of int8 aborted" in d.reason
-    assert d.knobs.quant_level == "fp32" and ctl._exploring is None
+    assert d.knobs.quant_level == "fp32" and ctl.quant.exploring is None
     # Its steps ran as fp32's would: the miss is the clock's, and the trial goes on.
     ctl, d = _guard_during_a_trial(vouched=True)
     assert d.reason_code is Reason.SLO_MISS and "aborted" not in d.reason
-    assert d.knobs.quant_level == "int8" and ctl._exploring == ("int8", "fp32")
+    assert d.knobs.quant_level == "int8" and ctl.quant.exploring == ("int8", "fp32")
     assert d.changed == ("sm_clock_mhz",)  # the guard raised the clock, and only that
 
 
@@ -895,7 +895,7 @@ def test_after_one_level_is_measured_slow_the_table_is_not_trusted_for_slower_on
     decisions = run(ctl, plant, 300)
     trials = [d.knobs.quant_level for d in decisions if d.reason_code is Reason.QUANT_EXPLORE]
     assert trials == ["bf16"]
-    assert ctl._slow_here_s.get("bf16") is not None
+    assert ctl.quant.state.slow_here_s.get("bf16") is not None
     assert "int8" not in ctl.learner.step_models
     assert decisions[-1].knobs.quant_level == "fp32"
 
