@@ -19,9 +19,10 @@ from controller.learner import Learner
 from controller.limits import Limits
 from controller.models import Workload
 from controller.outlook import Outlook
+from controller.part import Part
 from controller.policy import Knobs
 from controller.signals import EngineStats, Telemetry
-from controller.state import Choice, ControllerParams, ControllerState, Reason
+from controller.state import Choice, ControllerState, Reason
 
 
 @dataclass
@@ -32,13 +33,13 @@ class LatencyGuardState:
     floor_until_s: float = -math.inf
 
 
-class LatencyGuard:
-    def __init__(self, params: ControllerParams, limits: Limits, learner: Learner) -> None:
-        self.params = params
-        self.limits = limits
-        self.learner = learner
+class LatencyGuard(Part):
+    """Queues and measured latency against the SLOs; the clock floor it holds."""
+
+    def __init__(self, limits: Limits, learner: Learner) -> None:
+        super().__init__(limits, learner)
         self.state = LatencyGuardState(
-            waiting_hist=deque(maxlen=max(2, params.queue_growth_ticks + 1))
+            waiting_hist=deque(maxlen=max(2, limits.params.queue_growth_ticks + 1))
         )
 
     def note_queue(self, num_waiting: int) -> None:

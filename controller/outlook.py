@@ -38,6 +38,10 @@ class Outlook:
     now_s: float
     interval_ms: float  # the decode pacing interval in force
 
+    def guard_holds(self) -> bool:
+        """A latency guard fired within guard_hold_s (nothing shrinks or switches)."""
+        return self.latency_guard.holding(self.now_s)
+
     def ttft_ratio(self) -> float:
         return self.learner.ttft_ratio.ratio(self.now_s, self.policy.slo_percentile)
 
@@ -60,10 +64,10 @@ class Outlook:
         return predict(
             level=level,
             clock_mhz=clock,
+            step_model=self.learner.step_model(level),
             max_num_seqs=seqs,
             max_num_batched_tokens=tokens,
             workload=workload,
-            step_model=self.learner.step_model(level),
             power_model=self.learner.power,
             temp_c=temp_c,
             ttft_ratio=self.ttft_ratio(),
@@ -103,6 +107,12 @@ class Outlook:
         if self.policy.objective == Objective.MIN_LATENCY:
             return pr.tpot_ms / self.policy.tpot_slo_ms + pr.ttft_ms / self.policy.ttft_slo_ms
         return pr.j_per_token
+
+    def latency_load(self, pr: Prediction) -> float:
+        """The larger of the predicted TTFT and TPOT over their SLOs (inf: unstable)."""
+        if not pr.stable:
+            return math.inf
+        return max(pr.ttft_ms / self.policy.ttft_slo_ms, pr.tpot_ms / self.policy.tpot_slo_ms)
 
     def batch_trusted(self, pr: Prediction, batch: int | None = None) -> bool:
         """A level's prediction rests on steps of about that decode batch: no more than

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from controller.learner import Learner
 from controller.limits import Limits
 from controller.outlook import Outlook
+from controller.part import Part
 from controller.policy import Knobs
 from controller.signals import Telemetry
-from controller.state import Choice, ControllerParams, ControllerState, Reason
+from controller.state import Choice, ControllerState, Reason
 
 
 @dataclass
@@ -31,12 +32,12 @@ class PowerGuardState:
     last_fired_s: float = -math.inf
 
 
-class PowerGuard:
-    def __init__(self, params: ControllerParams, limits: Limits, learner: Learner) -> None:
-        self.params = params
-        self.limits = limits
-        self.learner = learner
-        self.state = PowerGuardState(hold_s=params.power_hold_s)
+class PowerGuard(Part):
+    """Measured power against the budget; the clock ceiling it holds."""
+
+    def __init__(self, limits: Limits, learner: Learner) -> None:
+        super().__init__(limits, learner)
+        self.state = PowerGuardState(hold_s=limits.params.power_hold_s)
 
     @property
     def derate(self) -> float:
@@ -144,3 +145,15 @@ class PowerGuard:
             s.ceiling_mhz = raised
             s.ceiling_until_s = now_s + p.clock_min_interval_s
         return s.ceiling_mhz
+
+    def clock_as_power_limit(
+        self, wanted: Knobs, clamped: Knobs, budget_w: float, temp_c: float | None
+    ) -> Knobs:
+        """Where clocks cannot be locked, the chosen clock becomes a power limit: the
+        predicted peak power at that clock, never above the budget's limit."""
+        model = self.learner.power
+        limit = self.limits.power_limit_for(budget_w)
+        if wanted.sm_clock_mhz is not None and model.samples > 0:
+            peak = model.predict_w(wanted.sm_clock_mhz, 0.0, 1.0, temp_c) * 1.05
+            limit = self.limits.clamp_power(min(peak, limit if limit is not None else peak))
+        return clamped.with_changes(power_limit_w=limit)

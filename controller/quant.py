@@ -19,14 +19,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from controller.latency_guard import LatencyGuard
 from controller.learner import Learner
 from controller.limits import Limits
 from controller.models import Prediction, Workload
 from controller.outlook import Outlook
+from controller.part import Part
 from controller.policy import Knobs
 from controller.signals import StepRecord
-from controller.state import Choice, ControllerParams, ControllerState, Reason
+from controller.speed_table import SpeedTable
+from controller.state import Choice, ControllerState, Reason
 
 
 @dataclass
@@ -72,19 +73,12 @@ class _Ask:
         return self.outlook.now_s
 
 
-class QuantTimescale:
-    def __init__(
-        self,
-        params: ControllerParams,
-        limits: Limits,
-        learner: Learner,
-        latency_guard: LatencyGuard,
-    ) -> None:
-        self.params = params
-        self.limits = limits
-        self.learner = learner
-        self.latency_guard = latency_guard
-        self._levels = {o.level: o for o in limits.engine.quant_options}  # bench quant's table
+class QuantTimescale(Part):
+    """The quantization level: switches, trials and their verdicts."""
+
+    def __init__(self, limits: Limits, learner: Learner) -> None:
+        super().__init__(limits, learner)
+        self.table = SpeedTable(limits.engine.quant_options)
         self.state = QuantState()
 
     # ---- what the others ask ----------------------------------------
@@ -264,11 +258,11 @@ class QuantTimescale:
         # of the TTFT margin at the top clock while its requests met the SLO, and the
         # escape tried bf16 under load with the full chunk, at seconds per prefill step.
         waiting = self.learner.waiting_now > 0
-        troubled = waiting or self.latency_guard.fired_within(now_s, p.quant_stuck_busy_s)
+        troubled = waiting or outlook.latency_guard.fired_within(now_s, p.quant_stuck_busy_s)
         stuck = (
             s.stuck_since_s is not None and now_s - s.stuck_since_s >= p.quant_stuck_s and troubled
         )
-        busy = waiting or self.latency_guard.holding(now_s)
+        busy = waiting or outlook.guard_holds()
         stuck_for = now_s - s.stuck_since_s if s.stuck_since_s is not None else 0.0
         stuck_long = stuck_for >= max(p.quant_stuck_s, p.quant_stuck_busy_s)
         if busy and not stuck_long:
@@ -281,7 +275,7 @@ class QuantTimescale:
         # once batches of quant_table_batch_min run: there the table's batch-16 speed says
         # more than a model fitted on small batches. (On a diurnal ramp, int8 tried in the
         # calm of the morning held the peak at the top clock for a minute.)
-        mine = self._hint(level)[0]
+        mine = self.table.order(level)[0]
         table_rules = mine < 0.0 and self.learner.running_peak >= p.quant_table_batch_min
         if table_rules:
             switched = self._switch_by_table(ask, allowed, mine, since)
@@ -326,7 +320,7 @@ class QuantTimescale:
             # Neither meets the targets: keep the one with more latency headroom at the
             # top clock the budget allows (the level tried only if clearly ahead).
             ours, back = self._headroom(ask, t.tried), self._headroom(ask, t.before)
-            if not self._load(ask, ours) < 0.9 * self._load(ask, back):
+            if not ask.outlook.latency_load(ours) < 0.9 * ask.outlook.latency_load(back):
                 return self._switch(
                     ask,
                     back,
@@ -344,12 +338,12 @@ class QuantTimescale:
             for lv in allowed
             if lv != ask.level
             and self.learner.trained(lv)
-            and self._hint(lv)[0] < mine
+            and self.table.order(lv)[0] < mine
             and now_s - self.state.slow_here_s.get(lv, -math.inf) >= p.quant_slow_retry_s
         ]
         if not (ahead and since >= p.quant_explore_dwell_s):
             return None
-        lv = min(ahead, key=self._hint)
+        lv = min(ahead, key=self.table.order)
         to = self._best_for(ask, lv, True) or self._headroom(ask, lv)
         return self._switch(
             ask,
@@ -371,7 +365,7 @@ class QuantTimescale:
             for lv in allowed
             if lv != ask.level
             and self.learner.trained(lv)
-            and not (table_rules and mine < self._hint(lv)[0] < 0.0)
+            and not (table_rules and mine < self.table.order(lv)[0] < 0.0)
         ]
         return [pr for pr in known if pr is not None]
 
@@ -390,8 +384,10 @@ class QuantTimescale:
         ]
         if not others:
             return None
-        ahead = min(others, key=lambda pr: self._load(ask, pr))
-        if not self._load(ask, ahead) < 0.9 * self._load(ask, self._headroom(ask, ask.level)):
+        ahead = min(others, key=ask.outlook.latency_load)
+        if not ask.outlook.latency_load(ahead) < 0.9 * ask.outlook.latency_load(
+            self._headroom(ask, ask.level)
+        ):
             return None
         return self._switch(
             ask,
@@ -447,7 +443,7 @@ class QuantTimescale:
             if lv != level and lv not in s.explored and lv not in self.learner.step_models
         ]
         what = "never measured here"
-        if stuck and not any(self._faster(lv, level) for lv in unexplored):
+        if stuck and not any(self.table.faster(lv, level) for lv in unexplored):
             # An escape wants a level the table calls faster: one tried at small batches
             # before this load comes ahead of a never-run level the table calls slower (a
             # burst escaped from fp32 to int8 while bf16, tried at a calm moment, waited).
@@ -460,7 +456,7 @@ class QuantTimescale:
                 and running > ask.outlook.trusted_batch(lv)
                 and now_s - s.retried_s.get(lv, -math.inf) >= p.quant_peak_window_s
                 and now_s - s.slow_here_s.get(lv, -math.inf) >= p.quant_slow_retry_s
-                and self._faster(lv, level)
+                and self.table.faster(lv, level)
             ]
             if retry or not unexplored:
                 unexplored = retry
@@ -470,18 +466,22 @@ class QuantTimescale:
         # requests behind it longer than a trial tolerates, before any verdict can come (on
         # a CPU without bf16 instructions, bf16 and int8 prefill ran about 6x slower than
         # fp32's, and a 32-token probe step of int8 took seconds).
-        unexplored = [lv for lv in unexplored if not self._prefill_slower(lv, level)]
+        unexplored = [
+            lv
+            for lv in unexplored
+            if not self.table.prefill_slower(lv, level, p.quant_trial_slowdown_max)
+        ]
         # A level the table ranks no faster than one measured slower here is not tried: the
         # table's error is the machine's (on a CPU without bf16 or int8 instructions, their
         # trials measured them 1.5-4x slower than fp32), and each trial costs latency until
         # its verdict.
         slow_known = [
-            self._hint(lv)[0]
+            self.table.order(lv)[0]
             for lv, t in s.slow_here_s.items()
-            if now_s - t < p.quant_slow_retry_s and self._hint(lv)[0] < 0.0
+            if now_s - t < p.quant_slow_retry_s and self.table.order(lv)[0] < 0.0
         ]
         if slow_known:
-            unexplored = [lv for lv in unexplored if self._hint(lv)[0] < min(slow_known)]
+            unexplored = [lv for lv in unexplored if self.table.order(lv)[0] < min(slow_known)]
         # The table's speed is a batch-16 figure: where batches like that run, a calm trial of
         # a level it ranks slower than the level in force is not made (int8 on steady load
         # here: 10 s of a level that could not keep up at the clock in force, and the clock
@@ -489,9 +489,11 @@ class QuantTimescale:
         # cheaper, it is.
         if not stuck and table_rules:
             unexplored = [
-                lv for lv in unexplored if self._hint(lv)[0] < mine or self._hint(lv)[0] == 0.0
+                lv
+                for lv in unexplored
+                if self.table.order(lv)[0] < mine or self.table.order(lv)[0] == 0.0
             ]
-        calm = not self.latency_guard.holding(now_s) and steady_s >= 5.0
+        calm = not ask.outlook.guard_holds() and steady_s >= 5.0
         # Once a trial has measured a level much slower than the table said, the table is
         # not trusted to pick an escape under load: later trials wait for a calm moment.
         table_wrong = any(now_s - t < p.quant_slow_retry_s for t in s.slow_here_s.values())
@@ -501,7 +503,7 @@ class QuantTimescale:
             and (calm or (stuck and not table_wrong))
         ):
             return None
-        target = sorted(unexplored, key=self._hint)[0]
+        target = sorted(unexplored, key=self.table.order)[0]
         if target in s.explored:
             s.retried_s[target] = now_s
         s.explored.add(target)
@@ -599,29 +601,3 @@ class QuantTimescale:
         return o.predict(
             lv, top, ask.base.max_num_seqs, ask.base.max_num_batched_tokens, ask.workload, ask.temp
         )
-
-    @staticmethod
-    def _load(ask: _Ask, pr: Prediction) -> float:
-        """The larger of the predicted TTFT and TPOT over their SLOs (inf: unstable)."""
-        if not pr.stable:
-            return math.inf
-        pol = ask.outlook.policy
-        return max(pr.ttft_ms / pol.ttft_slo_ms, pr.tpot_ms / pol.tpot_slo_ms)
-
-    def _hint(self, lv: str) -> tuple[float, int]:
-        """The table's order: fastest measured first, then the lightest weights."""
-        opt = self._levels.get(lv)
-        speed = opt.decode_tok_s if opt is not None and opt.decode_tok_s else 0.0
-        return (-speed, opt.weight_bytes if opt is not None else 0)
-
-    def _faster(self, lv: str, than: str) -> bool:
-        """The table ranks `lv` faster than `than`, or has no speed for it."""
-        return self._hint(lv)[0] < self._hint(than)[0] or self._hint(lv)[0] == 0.0
-
-    def _prefill_slower(self, level: str, than: str) -> bool:
-        """Whether the table's prefill speed of `level` is below `than`'s by more than
-        quant_trial_slowdown_max (False where either is not in the table)."""
-        mine, theirs = self._levels.get(level), self._levels.get(than)
-        if mine is None or theirs is None or not mine.prefill_tok_s or not theirs.prefill_tok_s:
-            return False
-        return theirs.prefill_tok_s > self.params.quant_trial_slowdown_max * mine.prefill_tok_s

@@ -881,7 +881,9 @@ def test_measured_steps_overrule_a_step_model_that_would_cut_the_batch_cap():
     co = ctl.learner.step_models["fp32"].coefficients(1980, calm.mean_context_tokens)
     assert co.step_s(0, ran, ran * calm.mean_context_tokens) > 0.2
     knobs = Knobs(64, 512, "fp32", 1980)
-    seqs, _ = ctl._choose_caps("fp32", 1980, calm, knobs, plant.t_s, 400.0)
+    seqs, _ = ctl.caps.choose(
+        "fp32", 1980, calm, knobs, ctl.outlook(plant.t_s), 400.0, probing=False
+    )
     assert seqs >= ran
 
 
@@ -938,7 +940,9 @@ def test_the_prefill_chunk_is_not_cut_below_what_the_ttft_slo_needs():
     assert bound <= 128
     limit_ms = 0.85 * 2000.0
     assert ctl.outlook().predict("fp32", 1980, 64, bound, load, None).ttft_ms > limit_ms
-    seqs, tokens = ctl._choose_caps("fp32", 1980, load, Knobs(64, bound, "fp32", 1980), 0.0, 400.0)
+    seqs, tokens = ctl.caps.choose(
+        "fp32", 1980, load, Knobs(64, bound, "fp32", 1980), ctl.outlook(0.0), 400.0, probing=False
+    )
     assert tokens > bound
     assert ctl.outlook().predict("fp32", 1980, 64, tokens, load, None).ttft_ms <= limit_ms
 
