@@ -132,8 +132,8 @@ class BatchCaps(Part):
                 tokens = knobs.max_num_batched_tokens  # not while a guard holds, nor unproven
             else:
                 # One halving at a time: the model's prefill costs rest on the chunks it has
-                # seen (at the start, 512-token ones only; it called 64 safe at 1.35 s TTFT on
-                # the real engine, and the next prompt took 2.7 s).
+                # seen (at the start, full chunks only), and a chunk far below those is an
+                # extrapolation that can miss the fixed cost each extra step pays.
                 tokens = max(tokens, knobs.max_num_batched_tokens // 2)
         if tokens > knobs.max_num_batched_tokens and not self.limits.hw_limit_enforces(budget_w):
             tokens = knobs.max_num_batched_tokens

@@ -187,8 +187,8 @@ class ClockTimescale(Part):
         # level's model is young (under descend_evidence_steps steps), a step below every
         # clock it has been seen at waits for a request that arrived at the clock in force
         # to see its first token within slo_margin x the TTFT SLO: there the clock
-        # sensitivity is extrapolated from a few prefill steps (on the real engine, 8 s in,
-        # it called 795 MHz safe at 645 ms TTFT; the next request took 2.1 s).
+        # sensitivity is extrapolated from a few prefill steps, and a young model can call
+        # a clock far below the seen ones safe when its requests would miss the SLO.
         model = self.learner.step_model(level)
         young = model.samples < p.descend_evidence_steps
         unseen_below = target < min(model.seen_clocks(p.trust_min_samples), default=lim.top_mhz)

@@ -337,9 +337,9 @@ class Controller:
         if latency is not None:
             # A calm trial that hurts latency ends at once; a trial begun because the
             # previous level could not cope is not its fault, and goes on, as does one
-            # whose steps have vouched for it (then the clock is what the guard raises:
-            # steady60's bf16 trial, as fast as fp32's model, ended on a queue at
-            # 645 MHz, and fp32 ran 18 s more).
+            # whose steps have vouched for it: then the clock is what is short, the guard
+            # raises it, and ending the trial would throw it away for a queue it did not
+            # cause.
             ended = self.quant.end_calm_trial()
             if ended is not None:
                 tried, before = ended

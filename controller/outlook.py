@@ -235,8 +235,8 @@ class Outlook:
         chunk also pays a step's fixed and decode costs, and a prompt takes more of them:
         where the step-bounded chunk `tokens` is predicted to miss slo_margin x the TTFT
         SLO, the smallest larger power-of-two chunk predicted to meet it, else the one
-        predicted fastest (on a CPU, whose steps carry a large fixed cost, a 128-token
-        chunk took a 300-token prompt past the SLO that 512 met). A chunk below the
+        predicted fastest (where steps carry a large fixed cost, as on a CPU, a smaller
+        chunk can make a prompt later, not sooner). A chunk below the
         `current` one must meet it by descend_margin more (noise near the edge must not
         flip the chunk)."""
         p = self.params

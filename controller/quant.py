@@ -254,9 +254,9 @@ class QuantTimescale(Part):
             s.stuck_since_s = now_s
         # Stuck: no trusted clock of this level has met the targets for quant_stuck_s, and
         # the requests say so too (a queue, or a latency guard within quant_stuck_busy_s).
-        # The model's word alone is not enough: on the real engine fp32 was predicted short
-        # of the TTFT margin at the top clock while its requests met the SLO, and the
-        # escape tried bf16 under load with the full chunk, at seconds per prefill step.
+        # The model's word alone is not enough: a model can call the level in force short
+        # of the margin while its requests meet the SLO, and an escape under load runs a
+        # level not measured here with the full chunk, where each slow step holds the queue.
         waiting = self.learner.waiting_now > 0
         troubled = waiting or outlook.latency_guard.fired_within(now_s, p.quant_stuck_busy_s)
         stuck = (
@@ -273,8 +273,8 @@ class QuantTimescale(Part):
         # A level the table ranks slower than a level already run here, adopted while the
         # batches were small (where lighter weights may be cheaper), is left for that level
         # once batches of quant_table_batch_min run: there the table's batch-16 speed says
-        # more than a model fitted on small batches. (On a diurnal ramp, int8 tried in the
-        # calm of the morning held the peak at the top clock for a minute.)
+        # more than a model fitted on small batches, which would hold the level through a
+        # rising load at the top clock.
         mine = self.table.order(level)[0]
         table_rules = mine < 0.0 and self.learner.running_peak >= p.quant_table_batch_min
         if table_rules:
@@ -445,8 +445,8 @@ class QuantTimescale(Part):
         what = "never measured here"
         if stuck and not any(self.table.faster(lv, level) for lv in unexplored):
             # An escape wants a level the table calls faster: one tried at small batches
-            # before this load comes ahead of a never-run level the table calls slower (a
-            # burst escaped from fp32 to int8 while bf16, tried at a calm moment, waited).
+            # before this load comes ahead of a never-run level the table calls slower,
+            # which could not relieve a level that cannot cope.
             running = self.learner.running_now
             retry = [
                 lv
@@ -463,18 +463,15 @@ class QuantTimescale(Part):
                 what = f"not measured at batches of {running} yet"
         # A level whose prefill the table measured slower than the level in force's beyond
         # the trial's slowdown bound is not tried: each of its prefill steps would hold the
-        # requests behind it longer than a trial tolerates, before any verdict can come (on
-        # a CPU without bf16 instructions, bf16 and int8 prefill ran about 6x slower than
-        # fp32's, and a 32-token probe step of int8 took seconds).
+        # requests behind it longer than a trial tolerates, before any verdict can come.
         unexplored = [
             lv
             for lv in unexplored
             if not self.table.prefill_slower(lv, level, p.quant_trial_slowdown_max)
         ]
         # A level the table ranks no faster than one measured slower here is not tried: the
-        # table's error is the machine's (on a CPU without bf16 or int8 instructions, their
-        # trials measured them 1.5-4x slower than fp32), and each trial costs latency until
-        # its verdict.
+        # table's error is the machine's (it holds for the levels ranked below too), and
+        # each trial costs latency until its verdict.
         slow_known = [
             self.table.order(lv)[0]
             for lv, t in s.slow_here_s.items()
@@ -483,10 +480,9 @@ class QuantTimescale(Part):
         if slow_known:
             unexplored = [lv for lv in unexplored if self.table.order(lv)[0] < min(slow_known)]
         # The table's speed is a batch-16 figure: where batches like that run, a calm trial of
-        # a level it ranks slower than the level in force is not made (int8 on steady load
-        # here: 10 s of a level that could not keep up at the clock in force, and the clock
-        # raised to the top for it). At smaller batches, where lighter weights may be
-        # cheaper, it is.
+        # a level it ranks slower than the level in force is not made (it could not keep up
+        # at the clock in force, and the guards would raise the clock for it). At smaller
+        # batches, where lighter weights may be cheaper, it is.
         if not stuck and table_rules:
             unexplored = [
                 lv
@@ -512,9 +508,9 @@ class QuantTimescale(Part):
         s.last_switch_s = now_s
         # A calm trial's first steps run with a small prefill chunk (a probe): a level
         # far slower than the table says shows it in short steps, not in one that
-        # stalls every request for seconds (a 256-token bf16 step took 6 s on the real
-        # engine here; a step once started runs to its end). The verdict restores the
-        # chunk. Not an escape under load: there the queue needs the full chunk.
+        # stalls every request for seconds (a step once started runs to its end, however
+        # slow the level). The verdict restores the chunk. Not an escape under load: there
+        # the queue needs the full chunk.
         probe = max(
             self.limits.engine.max_num_batched_tokens_min,
             base.max_num_batched_tokens // p.quant_trial_probe_fraction,
