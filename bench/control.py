@@ -24,6 +24,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from controller.policy import ControlMode, Policy
 from daemon.sim.calibration import Calibration, calibration_path
 from daemon.sim.metrics import summarize
 from daemon.sim.run import measure_capacity
-from daemon.sim.scenarios import RequestMix, make_scenarios
+from daemon.sim.scenarios import RequestMix, Scenario, make_scenarios
 
 DEFAULT_LEVELS = ("fp32", "bf16", "int8")
 
@@ -135,6 +136,11 @@ def add_calibration_args(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def shift_seeds(scenarios: dict[str, Scenario], offset: int) -> dict[str, Scenario]:
+    """The same scenarios with every seed moved by `offset` (0: unchanged)."""
+    return {name: replace(sc, seed=sc.seed + offset) for name, sc in scenarios.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="wattserve bench control", description=__doc__)
     ap.add_argument("--engine", choices=["model", "real"], default="model")
@@ -179,6 +185,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="real engine: take this capacity (req/s) instead of measuring it (to compare "
         "runs on a shared CPU whose speed varies)",
+    )
+    ap.add_argument(
+        "--seed-offset",
+        type=int,
+        default=0,
+        help="add N to every scenario's seed (arrivals, step noise, virtual GPU): the same "
+        "scenarios on other draws; 0 gives the default figures",
     )
     add_calibration_args(ap)
     ap.add_argument("--out", type=Path, default=Path("docs"))
@@ -228,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         capacity = measure_capacity(cal, start, mix)
     duration = args.duration_s or (300.0 if args.engine == "model" else 60.0)
-    scenarios = make_scenarios(duration, args.budget_w, args.step_budget_w, args.low_budget_w)
+    scenarios = shift_seeds(
+        make_scenarios(duration, args.budget_w, args.step_budget_w, args.low_budget_w),
+        args.seed_offset,
+    )
     names = (
         args.scenarios or ("steady60,budget_step" if args.engine == "real" else ",".join(scenarios))
     ).split(",")
@@ -298,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {path}", flush=True)
     line = _headline(table, args, cal, capacity, duration, levels, speeds)
     line["calibration"] = cal_facts
+    line["seed_offset"] = args.seed_offset
     line["seeds"] = {name: scenarios[name].seed for name in names}
     # The engine model takes quality and speeds from the calibration; only the real
     # engine measures a speed table (speed_table_tok_s). No quantization table is read.

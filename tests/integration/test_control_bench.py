@@ -106,6 +106,20 @@ def test_bench_control_model_engine_prints_the_headline_json(tmp_path, capsys):
         == _calibration().levels["fp32"].per_decode_token_s
     )
     assert line["seeds"] == {"steady60": 2, "budget_step": 6}
+    assert line["seed_offset"] == 0
+
+
+def test_bench_control_seed_offset_moves_every_seed_and_the_draws(tmp_path, capsys):
+    args = ("--levels", "fp32,bf16", "--scenarios", "steady60", "--systems", "max_clock")
+    args += ("--duration-s", "30", "--no-plots", "--out", str(tmp_path))
+    base = _bench_json("control", tmp_path, capsys, *args)
+    moved = _bench_json("control", tmp_path, capsys, *args, "--seed-offset", "3")
+    assert moved["seed_offset"] == 3 and moved["seeds"] == {"steady60": 5}
+    # Other seeds draw other arrivals, so the same system serves another request count.
+    assert (
+        moved["per_scenario"]["steady60"]["max_clock"]
+        != base["per_scenario"]["steady60"]["max_clock"]
+    )
 
 
 def test_bench_control_uses_the_committed_calibration_unless_told_otherwise(tmp_path):

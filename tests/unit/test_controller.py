@@ -203,7 +203,7 @@ def learn_only(ctl: Controller, plant: Plant, ticks: int) -> None:
     """Feed the controller `ticks` observations to learn from, deciding nothing."""
     for _ in range(ticks):
         telemetry, stats = plant.tick(None)
-        ctl._ingest(telemetry, stats, plant.t_s)
+        ctl.learn(telemetry, stats, plant.t_s)
 
 
 def calm_plant(level_speed: dict[str, float]) -> Plant:
@@ -401,9 +401,9 @@ def test_thermal_margin_derates_the_budget_and_slowdown_marks_models_stale():
     rec = run(ctl, plant, 0.25, margin_c=20.0)[-1]
     assert rec.effective_budget_w < 400.0
     # A hardware slowdown forgets the latency ratios measured so far.
-    assert len(ctl._tpot_ratio) > 0
+    assert len(ctl.learner.tpot_ratio) > 0
     run(ctl, plant, 0.25, slowdown=True)
-    assert len(ctl._tpot_ratio) <= 1
+    assert len(ctl.learner.tpot_ratio) <= 1
 
 
 def test_power_between_derated_and_nominal_budget_triggers_the_guard():
@@ -658,15 +658,17 @@ def test_a_new_level_starts_from_the_practised_level_with_its_clock_sensitivity(
         telemetry, stats = plant.tick(knobs)
         d = ctl.observe(telemetry, stats, plant.t_s)
         knobs = d.knobs
-        if "int8" in ctl._step_models:
+        if "int8" in ctl.learner.step_models:
             break
     # The int8 model appeared with the trial's first steps (when the knobs in force
     # already say int8): it starts from fp32's estimate, its stretch terms firm, not from
     # a blank model that would know nothing of how steps stretch at lower clocks.
-    model = ctl._step_models["int8"]
+    model = ctl.learner.step_models["int8"]
     assert model.samples < 30
     assert max(model.rls.p[k][k] for k in range(4, 8)) < 0.05
-    assert model.rls.theta[4:] == pytest.approx(ctl._step_models["fp32"].rls.theta[4:], abs=0.02)
+    assert model.rls.theta[4:] == pytest.approx(
+        ctl.learner.step_models["fp32"].rls.theta[4:], abs=0.02
+    )
 
 
 @dataclass
@@ -697,7 +699,7 @@ def test_a_level_that_cannot_cope_tries_a_faster_one_again_at_this_load():
     ctl, plant = _int8_adopted_when_calm((QuantOption("fp32", 0.0, 4), QuantOption("int8", 0.5, 1)))
     calm = run(ctl, plant, 120)
     assert calm[-1].knobs.quant_level == "int8"  # tried when calm, and kept
-    assert ctl._trusted_batch("fp32") < 20  # fp32 was seen at small batches only
+    assert ctl.outlook().trusted_batch("fp32") < 20  # fp32 was seen at small batches only
     plant.decode_rate_tok_s, plant.prompt_rate_tok_s, plant.request_rate_s = 250.0, 250.0, 2.0
     busy = run(ctl, plant, 120)
     again = [d for d in busy if d.reason_code is Reason.QUANT_EXPLORE]
@@ -732,8 +734,8 @@ def test_the_prefill_chunk_shrinks_at_a_low_clock():
     for f in (1980, 1380, 795, 345):  # steps at clocks far apart teach the stretch
         plant.clock_mhz = f
         learn_only(ctl, plant, 40)
-    top = ctl._chunk_cap("fp32", 1980, 8, 200.0)
-    low = ctl._chunk_cap("fp32", 345, 8, 200.0)
+    top = ctl.outlook().chunk_cap("fp32", 1980, 8, 200.0)
+    low = ctl.outlook().chunk_cap("fp32", 345, 8, 200.0)
     assert top >= 256 and low < top
     # At the low clock the capped chunk's step stays within 0.3 x the 2 s TTFT SLO (give
     # or take the model's error); the next size up would not.
@@ -754,7 +756,7 @@ def test_a_trial_level_measured_much_slower_than_its_table_says_is_left_at_once(
     assert back.reason_code is Reason.QUANT_SWITCH and "aborted" in back.reason
     # Left on the evidence of its steps, well before the 10 s the trial would last.
     assert back.at_s - decisions[tried[0]].at_s < 4.0
-    assert ctl._slow_here_s.get("int8") is not None
+    assert ctl.quant.state.slow_here_s.get("int8") is not None
     after = decisions[decisions.index(back) :]
     assert all(d.knobs.quant_level == "fp32" for d in after)
 
@@ -790,23 +792,23 @@ def _guard_during_a_trial(vouched: bool) -> tuple[Controller, Decision]:
     for _ in range(int(240 / TICK_S)):
         telemetry, stats = plant.tick(knobs)
         knobs = ctl.observe(telemetry, stats, plant.t_s).knobs
-        if ctl._exploring is not None and (ctl._trial_vouched() or not vouched):
+        if ctl.quant.exploring is not None and (ctl.quant.trial_vouched() or not vouched):
             break
-    assert ctl._exploring == ("int8", "fp32") and ctl._trial_vouched() == vouched
+    assert ctl.quant.exploring == ("int8", "fp32") and ctl.quant.trial_vouched() == vouched
     telemetry, stats = plant.tick(knobs)
     stats = dataclasses.replace(stats, ttft_s=(3.0,))  # SLO 2 s
-    ctl._last_guard_s = -math.inf
+    ctl.latency_guard.state.last_fired_s = -math.inf
     return ctl, ctl.observe(telemetry, stats, plant.t_s)
 
 
 def test_a_latency_guard_ends_a_calm_trial_only_before_its_steps_vouch_for_it():
     ctl, d = _guard_during_a_trial(vouched=False)
     assert d.reason_code is Reason.SLO_MISS and "trial of int8 aborted" in d.reason
-    assert d.knobs.quant_level == "fp32" and ctl._exploring is None
+    assert d.knobs.quant_level == "fp32" and ctl.quant.exploring is None
     # Its steps ran as fp32's would: the miss is the clock's, and the trial goes on.
     ctl, d = _guard_during_a_trial(vouched=True)
     assert d.reason_code is Reason.SLO_MISS and "aborted" not in d.reason
-    assert d.knobs.quant_level == "int8" and ctl._exploring == ("int8", "fp32")
+    assert d.knobs.quant_level == "int8" and ctl.quant.exploring == ("int8", "fp32")
     assert d.changed == ("sm_clock_mhz",)  # the guard raised the clock, and only that
 
 
@@ -828,7 +830,7 @@ def test_after_a_trial_proves_the_table_wrong_no_escape_trials_under_load():
     trials = [d for d in decisions if d.reason_code is Reason.QUANT_EXPLORE]
     assert [d.knobs.quant_level for d in trials] == ["bf16"]
     assert "cannot meet the targets" in trials[0].reason  # an escape under load
-    assert "int8" not in ctl._step_models
+    assert "int8" not in ctl.learner.step_models
     assert decisions[-1].knobs.quant_level == "fp32"
     assert sum(d.reason_code is Reason.INFEASIBLE for d in decisions[-200:]) > 100
 
@@ -857,7 +859,7 @@ def test_a_level_only_the_model_calls_too_slow_is_not_escaped_from():
     )
     decisions = run(ctl, plant, 120)
     assert sum(d.reason_code is Reason.INFEASIBLE for d in decisions) > 200
-    assert plant.waiting == 0 and ctl._last_guard_s == -math.inf
+    assert plant.waiting == 0 and ctl.latency_guard.state.last_fired_s == -math.inf
     assert not [d for d in decisions if d.reason_code is Reason.QUANT_EXPLORE]
     assert all(d.knobs.quant_level == "fp32" for d in decisions)
 
@@ -866,20 +868,22 @@ def test_measured_steps_overrule_a_step_model_that_would_cut_the_batch_cap():
     ctl = make_controller()
     plant = Plant(compute_share=0.1, decode_rate_tok_s=300.0, prompt_rate_tok_s=100.0)
     learn_only(ctl, plant, 120)
-    ran = max(st.decode_tokens for st in ctl._recent_steps if st.duration_s <= 0.2)
+    ran = max(st.decode_tokens for st in ctl.learner.recent_steps if st.duration_s <= 0.2)
     assert ran >= 20  # batches this large ran within the 200 ms TPOT SLO
     # A fit gone wrong (as chunked prefill steps can make it): decode tokens look three
     # times as dear as they are, so the model alone would cap the batch below what just
     # ran; and the load has calmed down (so the cap is not held up by the load's need).
-    ctl._step_models["fp32"].rls.theta[2] *= 3
-    ctl._step_models["fp32"].rls.theta[3] *= 3
+    ctl.learner.step_models["fp32"].rls.theta[2] *= 3
+    ctl.learner.step_models["fp32"].rls.theta[3] *= 3
     calm = dataclasses.replace(
-        ctl._workload.current(), output_tokens_per_s=30.0, request_rate_per_s=0.3
+        ctl.learner.workload.current(), output_tokens_per_s=30.0, request_rate_per_s=0.3
     )
-    co = ctl._step_models["fp32"].coefficients(1980, calm.mean_context_tokens)
+    co = ctl.learner.step_models["fp32"].coefficients(1980, calm.mean_context_tokens)
     assert co.step_s(0, ran, ran * calm.mean_context_tokens) > 0.2
     knobs = Knobs(64, 512, "fp32", 1980)
-    seqs, _ = ctl._choose_caps("fp32", 1980, calm, knobs, plant.t_s, 400.0)
+    seqs, _ = ctl.caps.choose(
+        "fp32", 1980, calm, knobs, ctl.outlook(plant.t_s), 400.0, probing=False
+    )
     assert seqs >= ran
 
 
@@ -893,8 +897,8 @@ def test_after_one_level_is_measured_slow_the_table_is_not_trusted_for_slower_on
     decisions = run(ctl, plant, 300)
     trials = [d.knobs.quant_level for d in decisions if d.reason_code is Reason.QUANT_EXPLORE]
     assert trials == ["bf16"]
-    assert ctl._slow_here_s.get("bf16") is not None
-    assert "int8" not in ctl._step_models
+    assert ctl.quant.state.slow_here_s.get("bf16") is not None
+    assert "int8" not in ctl.learner.step_models
     assert decisions[-1].knobs.quant_level == "fp32"
 
 
@@ -911,7 +915,7 @@ def _cpu_like_step_model(ctl: Controller) -> None:
         decode = rng.randint(1, 12)
         t = 0.15 + 0.0023 * prefill + 0.005 * decode
         model.learn(StepRecord(0.0, t, prefill, decode, decode * 200, "fp32", 1980), 1980)
-    ctl._step_models["fp32"] = model
+    ctl.learner.step_models["fp32"] = model
 
 
 def test_the_prefill_chunk_is_not_cut_below_what_the_ttft_slo_needs():
@@ -921,7 +925,7 @@ def test_the_prefill_chunk_is_not_cut_below_what_the_ttft_slo_needs():
     _cpu_like_step_model(ctl)
     # 250-token prompts, one every 5 s, a handful decoding.
     load = dataclasses.replace(
-        ctl._workload.current(),
+        ctl.learner.workload.current(),
         request_rate_per_s=0.2,
         prompt_tokens_per_s=50.0,
         output_tokens_per_s=5.0,
@@ -932,13 +936,15 @@ def test_the_prefill_chunk_is_not_cut_below_what_the_ttft_slo_needs():
     # The step bound alone (0.5 s steps for the 200 ms TPOT SLO) wants a 128-token chunk,
     # which takes a 250-token prompt two steps, each with its fixed cost; the model
     # predicts that past 0.85 x the 2 s TTFT SLO, and a bigger chunk within it.
-    bound = ctl._chunk_cap("fp32", 1980, 2, ctx)
+    bound = ctl.outlook().chunk_cap("fp32", 1980, 2, ctx)
     assert bound <= 128
     limit_ms = 0.85 * 2000.0
-    assert ctl._predict("fp32", 1980, 64, bound, load, None).ttft_ms > limit_ms
-    seqs, tokens = ctl._choose_caps("fp32", 1980, load, Knobs(64, bound, "fp32", 1980), 0.0, 400.0)
+    assert ctl.outlook().predict("fp32", 1980, 64, bound, load, None).ttft_ms > limit_ms
+    seqs, tokens = ctl.caps.choose(
+        "fp32", 1980, load, Knobs(64, bound, "fp32", 1980), ctl.outlook(0.0), 400.0, probing=False
+    )
     assert tokens > bound
-    assert ctl._predict("fp32", 1980, 64, tokens, load, None).ttft_ms <= limit_ms
+    assert ctl.outlook().predict("fp32", 1980, 64, tokens, load, None).ttft_ms <= limit_ms
 
 
 @pytest.mark.parametrize("speed", [4.0, 0.8])
@@ -971,20 +977,20 @@ def test_after_the_power_guard_acts_the_board_limit_is_not_taken_on_trust():
     decisions = run(ctl, plant, 30)  # a light load: well within the budget
     assert not any(d.reason_code is Reason.OVER_BUDGET for d in decisions)
     heavy = dataclasses.replace(
-        ctl._workload.current(), output_tokens_per_s=300.0, prompt_tokens_per_s=300.0
+        ctl.learner.workload.current(), output_tokens_per_s=300.0, prompt_tokens_per_s=300.0
     )
-    top = ctl._predict("fp32", 1980, 64, 512, heavy, None)
+    top = ctl.outlook().predict("fp32", 1980, 64, 512, heavy, None)
     assert top.peak_power_w > 300.0  # its prefill steps are predicted over the budget
-    assert ctl._hw_limit_enforces(300.0)
-    assert ctl._within_budget(top, 300.0)
+    assert ctl.limits.hw_limit_enforces(300.0)
+    assert ctl.outlook().within_budget(top, 300.0)
     # A reading well over the budget: the board limit did not hold it.
     telemetry, stats = plant.tick(ctl.knobs)
     over = dataclasses.replace(telemetry, power_w=360.0, power_avg_w=360.0)
     assert ctl.observe(over, stats, plant.t_s).reason_code is Reason.OVER_BUDGET
-    assert not ctl._within_budget(top, 300.0)
+    assert not ctl.outlook().within_budget(top, 300.0)
     plant.decode_rate_tok_s = plant.prompt_rate_tok_s = 0.0
     run(ctl, plant, ctl.params.power_hold_max_s + 1.0)
-    assert ctl._within_budget(top, 300.0)
+    assert ctl.outlook().within_budget(top, 300.0)
 
 
 @pytest.mark.parametrize(
@@ -1052,9 +1058,9 @@ def test_a_tpot_miss_at_the_top_clock_still_turns_decode_pacing_off():
     paced = ctl.knobs.with_changes(sm_clock_mhz=LADDER[-1], decode_interval_ms=80.0)
     telemetry, stats = plant.tick(paced)
     stats = dataclasses.replace(stats, tpot_s=(0.5,), num_waiting=0)  # SLO 200 ms
-    ctl._last_guard_s = -math.inf
-    choice = ctl._latency_guard(
-        telemetry, stats, paced, plant.t_s, None, 400.0, ctl._workload.current()
+    ctl.latency_guard.state.last_fired_s = -math.inf
+    choice = ctl.latency_guard.check(
+        telemetry, stats, paced, ctl.outlook(plant.t_s), None, 400.0, ctl.learner.workload.current()
     )
     assert choice is not None and choice.code is Reason.SLO_MISS
     assert choice.knobs.decode_interval_ms == 0.0 and choice.knobs.sm_clock_mhz == LADDER[-1]

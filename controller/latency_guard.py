@@ -1,0 +1,201 @@
+"""The latency guard: a growing waiting queue, a request waiting half its TTFT SLO, a queue
+predicted to get its first tokens late at this clock (feed-forward), or a measured TTFT or
+TPOT miss raises the clock at once (and the batch caps where the batch is full), never
+above what the budget allows, turns decode pacing off where there is no TPOT headroom to
+trade, and holds that clock as a floor. It overrides the models; it must not import torch
+or the daemon, read a clock, or touch a device or an engine.
+
+States: no floor -- fired --> floor held for guard_hold_s (no new step for
+guard_cooldown_s) --> no floor; a power guard firing drops the floor (power wins).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from controller.learner import Learner
+from controller.limits import Limits
+from controller.models import Workload
+from controller.outlook import Outlook
+from controller.part import Part
+from controller.policy import Knobs
+from controller.signals import EngineStats, Telemetry
+from controller.state import Choice, ControllerState, Reason
+
+
+@dataclass
+class LatencyGuardState:
+    waiting_hist: deque[int] = field(default_factory=deque)  # queue lengths, latest last
+    last_fired_s: float = -math.inf
+    floor_mhz: int | None = None  # no clock below this while it holds
+    floor_until_s: float = -math.inf
+
+
+class LatencyGuard(Part):
+    """Queues and measured latency against the SLOs; the clock floor it holds."""
+
+    def __init__(self, limits: Limits, learner: Learner) -> None:
+        super().__init__(limits, learner)
+        self.state = LatencyGuardState(
+            waiting_hist=deque(maxlen=max(2, limits.params.queue_growth_ticks + 1))
+        )
+
+    def note_queue(self, num_waiting: int) -> None:
+        self.state.waiting_hist.append(num_waiting)
+
+    def floor(self, now_s: float) -> int | None:
+        """The clock floor in force (None: none holds)."""
+        s = self.state
+        return s.floor_mhz if (s.floor_mhz is not None and now_s < s.floor_until_s) else None
+
+    def fired_within(self, now_s: float, seconds: float) -> bool:
+        return now_s - self.state.last_fired_s < seconds
+
+    def holding(self, now_s: float) -> bool:
+        """Fired within guard_hold_s: the timescales do not shrink or switch meanwhile."""
+        return self.fired_within(now_s, self.params.guard_hold_s)
+
+    def release_floor(self) -> None:
+        """Transition: the power guard fired; power wins over latency."""
+        self.state.floor_mhz = None
+
+    def check(
+        self,
+        telemetry: Telemetry,
+        stats: EngineStats,
+        knobs: Knobs,
+        outlook: Outlook,
+        ceiling: int | None,
+        budget_w: float,
+        workload: Workload,
+    ) -> Choice | None:
+        """The guard's step up (clock, caps, pacing off), or None: nothing to raise."""
+        p, lim = self.params, self.limits
+        policy = outlook.policy
+        now_s = outlook.now_s
+        hist = list(self.state.waiting_hist)
+        k = p.queue_growth_ticks
+        growing = (
+            stats.num_waiting > 0
+            and len(hist) > p.queue_growth_ticks
+            and all(b > a for a, b in zip(hist[-k - 1 : -1], hist[-k:], strict=True))
+        )
+        long_wait = (
+            stats.oldest_waiting_s is not None
+            and stats.oldest_waiting_s * 1000.0 > 0.5 * policy.ttft_slo_ms
+        )
+        ttft_miss = [x for x in stats.ttft_s if x * 1000.0 > policy.ttft_slo_ms]
+        tpot_miss = [x for x in stats.tpot_s if x * 1000.0 > policy.tpot_slo_ms]
+        clock = knobs.sm_clock_mhz or lim.top_mhz
+        # Feed-forward on the queue: the prompts waiting now, prefilled in chunks beside
+        # the running batch at this clock, would bring the newest past slo_margin x its
+        # TTFT SLO (the oldest has already waited): step up before anyone misses.
+        level = knobs.quant_level or lim.engine.full_precision_level
+        late_s = p.slo_margin * policy.ttft_slo_ms / 1000.0
+        drain_s = outlook.drain_s(level, clock, stats, knobs, workload)
+        queue_late = drain_s is not None and drain_s > late_s
+        if not (growing or long_wait or queue_late or ttft_miss or tpot_miss):
+            return None
+        if self.fired_within(now_s, p.guard_cooldown_s):
+            # Still within the cooldown of the last step up: keep its floor, no new step.
+            return None
+        top = ceiling if ceiling is not None else lim.top_mhz
+        # The budget wins over latency: never above what the power model says fits it.
+        top = min(top, max(outlook.safe_clock(budget_w, telemetry.gpu_temp_c), lim.snap(clock)))
+        # A request already waiting half its TTFT SLO cannot wait for a staircase: jump to
+        # the top; otherwise step up by guard_clock_steps candidates, or (a late queue) to
+        # the lowest clock predicted to drain it in time.
+        step = len(lim.clocks_mhz) if long_wait else p.guard_clock_steps
+        target = min(lim.move(lim.snap(clock), step), top)
+        if queue_late and not long_wait:
+            drain_at = top
+            for f in lim.clocks_mhz:
+                if f <= clock or f > top:
+                    continue
+                d = outlook.drain_s(level, f, stats, knobs, workload)
+                if d is not None and d <= late_s:
+                    drain_at = f
+                    break
+            if not (growing or ttft_miss or tpot_miss):
+                target = min(lim.move(lim.snap(clock), 1), top)
+            target = max(target, drain_at)
+        seqs = knobs.max_num_seqs
+        if (growing or long_wait) and stats.num_running >= knobs.max_num_seqs and not tpot_miss:
+            seqs = min(lim.engine.max_num_seqs_max, max(seqs + 1, math.ceil(seqs * 1.5)))
+        tokens = knobs.max_num_batched_tokens
+        if (
+            target > clock
+            and self.learner.step_model(level).samples >= p.learning_min_steps
+            and lim.hw_limit_enforces(budget_w)
+        ):
+            # A faster clock takes a bigger chunk within the same step time (never smaller
+            # here: the next batch-cap update may shrink it once the guard has let go).
+            # Not where only the clock holds the budget: a bigger chunk draws more.
+            bigger = outlook.chunk_cap(
+                level, target, max(1, stats.num_running), workload.mean_context_tokens
+            )
+            tokens = max(tokens, bigger)
+        # Decode pacing trades TPOT headroom for energy: a TPOT miss or a long wait leaves
+        # none to trade, at the top clock too. (A queue alone leaves it: the engine does not
+        # pace while requests wait.)
+        pace_off = knobs.decode_interval_ms > 0 and bool(tpot_miss or long_wait)
+        unchanged = (target, seqs, tokens) == (
+            clock,
+            knobs.max_num_seqs,
+            knobs.max_num_batched_tokens,
+        )
+        if unchanged and not pace_off:
+            return None  # nothing left to raise: let the optimizer keep its choice
+        self._hold_floor(target, now_s)
+        if growing or long_wait or queue_late:
+            code = Reason.QUEUE_GROWTH
+            if growing:
+                what = f"waiting queue growing ({'→'.join(map(str, hist[-k - 1 :]))})"
+            elif long_wait:
+                what = f"oldest request waiting {stats.oldest_waiting_s:.2f} s"
+            else:
+                what = (
+                    f"{stats.num_waiting} waiting would see their first token in "
+                    f"{1000.0 * (drain_s or 0.0):.0f} ms at {clock} MHz"
+                )
+        else:
+            code = Reason.SLO_MISS
+            parts = []
+            if ttft_miss:
+                parts.append(f"TTFT {max(ttft_miss) * 1000:.0f} ms > {policy.ttft_slo_ms:g} ms")
+            if tpot_miss:
+                parts.append(f"TPOT {max(tpot_miss) * 1000:.0f} ms > {policy.tpot_slo_ms:g} ms")
+            what = "measured " + ", ".join(parts)
+        return Choice(
+            ControllerState.GUARD_LATENCY,
+            knobs.with_changes(
+                sm_clock_mhz=target,
+                max_num_seqs=seqs,
+                max_num_batched_tokens=tokens,
+                decode_interval_ms=0.0 if pace_off else knobs.decode_interval_ms,
+            ),
+            code,
+            f"{what}: "
+            + (f"clock {clock} -> {target} MHz" if target != clock else f"clock {clock} MHz")
+            + (
+                f", max_num_seqs {knobs.max_num_seqs} -> {seqs}"
+                if seqs != knobs.max_num_seqs
+                else ""
+            )
+            + (
+                f", max_num_batched_tokens {knobs.max_num_batched_tokens} -> {tokens}"
+                if tokens != knobs.max_num_batched_tokens
+                else ""
+            )
+            + f"; floor held {p.guard_hold_s:g} s"
+            + ("; decode pacing off" if pace_off else ""),
+        )
+
+    def _hold_floor(self, target_mhz: int, now_s: float) -> None:
+        """Transition: fired; the clock stepped up to is the floor for guard_hold_s."""
+        s = self.state
+        s.last_fired_s = now_s
+        s.floor_mhz = target_mhz
+        s.floor_until_s = now_s + self.params.guard_hold_s

@@ -1,0 +1,255 @@
+"""The learned models' view at one observation: what a configuration (level, clock, caps,
+decode interval) is predicted to cost and how fast, whether that meets the SLOs and the
+budget, which clocks are trusted, how big a prefill chunk fits, when the waiting queue
+would be served. The guards and the timescales ask it; it changes nothing (beyond creating
+a level's step model on first use) and must not import torch or the daemon, read a clock,
+or touch a device or an engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from controller.learner import Learner
+from controller.limits import Limits
+from controller.models import Prediction, Workload, predict
+from controller.policy import Knobs, Objective, Policy
+from controller.signals import EngineStats
+from controller.state import ControllerParams
+
+if TYPE_CHECKING:
+    from controller.latency_guard import LatencyGuard
+    from controller.power_guard import PowerGuard
+
+
+@dataclass(frozen=True)
+class Outlook:
+    """Built by the controller for each observation: the policy, the time and the decode
+    interval in force are fixed; the models and the guards' holds are read as they are."""
+
+    params: ControllerParams
+    limits: Limits
+    learner: Learner
+    power_guard: PowerGuard
+    latency_guard: LatencyGuard
+    policy: Policy
+    now_s: float
+    interval_ms: float  # the decode pacing interval in force
+
+    def guard_holds(self) -> bool:
+        """A latency guard fired within guard_hold_s (nothing shrinks or switches)."""
+        return self.latency_guard.holding(self.now_s)
+
+    def ttft_ratio(self) -> float:
+        return self.learner.ttft_ratio.ratio(self.now_s, self.policy.slo_percentile)
+
+    def tpot_ratio(self) -> float:
+        return self.learner.tpot_ratio.ratio(self.now_s, self.policy.slo_percentile)
+
+    def predict(
+        self,
+        level: str,
+        clock: int,
+        seqs: int,
+        tokens: int,
+        workload: Workload,
+        temp_c: float | None,
+        interval_ms: float | None = None,
+    ) -> Prediction:
+        """interval_ms: the decode pacing interval (None: the one in force)."""
+        if interval_ms is None:
+            interval_ms = self.interval_ms
+        return predict(
+            level=level,
+            clock_mhz=clock,
+            step_model=self.learner.step_model(level),
+            max_num_seqs=seqs,
+            max_num_batched_tokens=tokens,
+            workload=workload,
+            power_model=self.learner.power,
+            temp_c=temp_c,
+            ttft_ratio=self.ttft_ratio(),
+            tpot_ratio=self.tpot_ratio(),
+            decode_interval_s=interval_ms / 1000.0,
+        )
+
+    def feasible(self, pr: Prediction, budget_w: float, tighten: float = 1.0) -> bool:
+        """Predicted to meet both SLOs (x slo_margin x tighten) and the budget."""
+        policy = self.policy
+        if not pr.stable:
+            return False
+        margin = self.params.slo_margin * tighten
+        if pr.ttft_ms > policy.ttft_slo_ms * margin or pr.tpot_ms > policy.tpot_slo_ms * margin:
+            return False
+        return self.within_budget(pr, budget_w)
+
+    def within_budget(self, pr: Prediction, budget_w: float) -> bool:
+        """Where the board power limit enforces the budget, always; elsewhere the predicted
+        1 s mean and the hungriest phase (a prefill step, 100 ms windows, scaled by the
+        measured peak ratio) must fit power_margin x budget."""
+        if self.limits.hw_limit_enforces(budget_w) and not self.power_guard.fired_within(
+            self.now_s, self.params.power_hold_max_s
+        ):
+            # The board limit (set at the budget) holds it, at 100 ms; unless the power
+            # guard has had to act within power_hold_max_s: then the limit did not hold
+            # (or not in time), and a clock predicted over the budget would only be
+            # knocked down again.
+            return True
+        limit = budget_w * self.params.power_margin
+        if pr.power_w > limit:
+            return False
+        return pr.peak_power_w * self.learner.peak_ratio_at(self.now_s) <= limit
+
+    def score(self, pr: Prediction) -> float:
+        """What the objective minimises."""
+        if self.policy.objective == Objective.MIN_LATENCY:
+            return pr.tpot_ms / self.policy.tpot_slo_ms + pr.ttft_ms / self.policy.ttft_slo_ms
+        return pr.j_per_token
+
+    def latency_load(self, pr: Prediction) -> float:
+        """The larger of the predicted TTFT and TPOT over their SLOs (inf: unstable)."""
+        if not pr.stable:
+            return math.inf
+        return max(pr.ttft_ms / self.policy.ttft_slo_ms, pr.tpot_ms / self.policy.tpot_slo_ms)
+
+    def batch_trusted(self, pr: Prediction, batch: int | None = None) -> bool:
+        """A level's prediction rests on steps of about that decode batch: no more than
+        batch_trust_factor x the largest batch its model has been fitted around (levels
+        tried briefly at a calm moment know little of a burst's batches). The batch is
+        at least `batch` (default: the one running now): a model that underestimates a
+        level's step also predicts it a small batch, and would vouch for itself."""
+        need = max(pr.decode_batch, self.learner.running_now if batch is None else batch)
+        return need <= self.trusted_batch(pr.quant_level)
+
+    def trusted_batch(self, level: str) -> float:
+        """The largest decode batch a level's model is trusted at (0 without a model)."""
+        p = self.params
+        model = self.learner.step_models.get(level)
+        if model is None:
+            return 0.0
+        seen = model.batch_seen(p.trust_min_samples)
+        return max(p.batch_trust_min, p.batch_trust_factor * seen)
+
+    def clock_range(self, level: str, ceiling: int | None) -> list[int]:
+        """Candidate clocks: below the power ceiling, above the latency floor, and no more
+        than trust_clock_steps candidates beyond the clocks this level has been seen at."""
+        p, lim = self.params, self.limits
+        top = ceiling if ceiling is not None else lim.top_mhz
+        floor = self.latency_guard.floor(self.now_s)
+        seen = self.learner.step_model(level).seen_clocks(p.trust_min_samples)
+        if seen:
+            lo = lim.move(lim.snap(min(seen)), -p.trust_clock_steps)
+            hi = lim.move(lim.snap(max(seen)), +p.trust_clock_steps)
+        else:
+            lo, hi = lim.top_mhz, lim.top_mhz
+        out = [
+            f for f in lim.clocks_mhz if lo <= f <= min(hi, top) and (floor is None or f >= floor)
+        ]
+        if not out:
+            out = [min(max(floor or top, lim.device.sm_clock_min_mhz), top)]
+        return out
+
+    def safe_clock(self, budget_w: float, temp_c: float | None) -> int:
+        """The highest candidate clock whose predicted power in the hungriest phase seen
+        lately (x the measured peak ratio) fits the budget; the top clock where the board
+        power limit enforces the budget."""
+        p, lim = self.params, self.limits
+        model = self.learner.power
+        if lim.hw_limit_enforces(budget_w):
+            return lim.top_mhz  # the board limit holds the budget
+        if model.samples < p.learning_min_power_samples:
+            return lim.device.sm_clock_min_mhz
+        recent = list(self.learner.recent_steps)[-50:]
+        prefill = any(s.has_prefill for s in recent)
+        busy = 1.0 if recent else 0.0
+        peak_ratio = self.learner.peak_ratio_at(self.now_s)
+        for f in reversed(lim.clocks_mhz):
+            watts = peak_ratio * model.predict_w(
+                f, 0.0 if prefill else busy, busy if prefill else 0.0, temp_c
+            )
+            if watts <= budget_w * p.power_margin:
+                return f
+        return lim.device.sm_clock_min_mhz
+
+    def drain_s(
+        self, level: str, clock: int, stats: EngineStats, knobs: Knobs, workload: Workload
+    ) -> float | None:
+        """When the newest waiting request would see its first token at this clock: the
+        oldest's wait so far plus the prefill of every waiting prompt (the mean prompt
+        each), in chunks of what the token cap leaves beside the running batch, stretched
+        by the prompts still arriving meanwhile (1 / (1 - share of the time their prefill
+        takes); inf when that share reaches 1). None without a queue or a trained model."""
+        model = self.learner.step_models.get(level)
+        if stats.num_waiting <= 0 or model is None:
+            return None
+        if model.samples < self.params.learning_min_steps:
+            return None
+        ctx = workload.mean_context_tokens
+        co = model.coefficients(clock, ctx)
+        running = stats.num_running
+        room = max(
+            knobs.max_num_batched_tokens - running, self.limits.engine.max_num_batched_tokens_min
+        )
+        queued = stats.num_waiting * workload.mean_prompt_tokens
+        chunk_s = co.step_s(room, running, running * ctx)
+        full, rest = divmod(queued, room)
+        total = full * chunk_s
+        if rest > 0:
+            total += co.step_s(rest, running, running * ctx)
+        arriving = workload.prompt_tokens_per_s * chunk_s / room
+        if arriving >= 1.0:
+            return math.inf
+        return (stats.oldest_waiting_s or 0.0) + total / (1.0 - arriving)
+
+    def chunk_cap(
+        self, level: str, clock: int, batch: int, ctx: float, current: int | None = None
+    ) -> int:
+        """The largest power-of-two fraction of the configured chunk whose step (beside a
+        decode batch of `batch`) stays within chunk_step_slo_factor x the TPOT SLO at this
+        clock: a prefill chunk stalls every decode for a step, and at a low clock a full
+        chunk takes seconds (prefill is compute-bound); and within chunk_step_ttft_factor
+        x the TTFT SLO: a prompt arriving as a full chunk starts waits for it, then for
+        its own. A chunk above the `current` one must fit within chunk_grow_margin x that
+        (the bound moves with the estimated decode batch: its noise must not flip the
+        chunk)."""
+        p, e = self.params, self.limits.engine
+        co = self.learner.step_model(level).coefficients(clock, ctx)
+        step_max_s = min(
+            p.chunk_step_slo_factor * self.policy.tpot_slo_ms / 1000.0,
+            p.chunk_step_ttft_factor * self.policy.ttft_slo_ms / 1000.0,
+        )
+        tokens = e.max_num_batched_tokens_max
+        while tokens > e.max_num_batched_tokens_min:
+            tighten = p.chunk_grow_margin if current is not None and tokens > current else 1.0
+            if co.step_s(tokens, batch, batch * ctx) <= step_max_s * tighten:
+                break
+            tokens = max(e.max_num_batched_tokens_min, tokens // 2)
+        return tokens
+
+    def chunk_for_ttft(
+        self, level: str, clock: int, seqs: int, tokens: int, current: int, workload: Workload
+    ) -> int:
+        """A smaller chunk shortens the stall a prefill step puts on every decode, but each
+        chunk also pays a step's fixed and decode costs, and a prompt takes more of them:
+        where the step-bounded chunk `tokens` is predicted to miss slo_margin x the TTFT
+        SLO, the smallest larger power-of-two chunk predicted to meet it, else the one
+        predicted fastest (where steps carry a large fixed cost, as on a CPU, a smaller
+        chunk can make a prompt later, not sooner). A chunk below the
+        `current` one must meet it by descend_margin more (noise near the edge must not
+        flip the chunk)."""
+        p = self.params
+        limit_ms = p.slo_margin * self.policy.ttft_slo_ms
+        top = self.limits.engine.max_num_batched_tokens_max
+        best_ms, best = math.inf, tokens
+        t = tokens
+        while True:
+            ttft_ms = self.predict(level, clock, seqs, t, workload, None).ttft_ms
+            if ttft_ms <= limit_ms * (p.descend_margin if t < current else 1.0):
+                return t
+            if ttft_ms < best_ms:
+                best_ms, best = ttft_ms, t
+            if t >= top:
+                return best
+            t = min(top, t * 2)

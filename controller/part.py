@@ -1,0 +1,19 @@
+"""The base of every guard and timescale: the limits (with the tuning) and the learned
+models each one reads. It holds no state of its own; each part keeps its state in its own
+dataclass. It must not import torch or the daemon, read a clock, or touch a device or an
+engine.
+"""
+
+from __future__ import annotations
+
+from controller.learner import Learner
+from controller.limits import Limits
+
+
+class Part:
+    """Read-only references for a guard or a timescale (params are the limits' params)."""
+
+    def __init__(self, limits: Limits, learner: Learner) -> None:
+        self.params = limits.params
+        self.limits = limits
+        self.learner = learner
