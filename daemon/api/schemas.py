@@ -47,6 +47,8 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "early_stopping": (False,),
     "spaces_between_special_tokens": (True,),
     "suffix": ("",),
+    # /tokenize: generation here never adds special tokens to a prompt, so neither may this.
+    "add_special_tokens": (False,),
 }
 
 
@@ -620,6 +622,17 @@ class ChatCompletionChunk(BaseModel):
 class TokenizeCompletionRequest(_Body):
     model: str | None = None
     prompt: str = Field(..., max_length=1 << 20)
+    add_special_tokens: bool | None = Field(
+        None,
+        description="Only false: completions here never add special tokens (vLLM's "
+        "benchmark client sends false).",
+        json_schema_extra=_neutral_schema("add_special_tokens"),
+    )
+
+    @field_validator("add_special_tokens")
+    @classmethod
+    def _neutral_tokenize(cls, v: Any, info: ValidationInfo) -> Any:
+        return _require_neutral(v, info)
 
 
 class TokenizeChatRequest(_Body):
