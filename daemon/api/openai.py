@@ -593,14 +593,16 @@ async def _sse_chunks(
             out.append(chunk(index, None, None, logprobs))
         return out
 
-    if chat:
-        for index in sorted(by_index):
-            yield _sse(chunk(index, "", None, role=True))
     async for index, out in choices.events():
         spec, stream = by_index[index]
         text = "" if shape.prompt_only else out.text
-        if shape.echo and index not in started:
-            text = shape.prompt_texts[spec.prompt_index] + text
+        if index not in started:
+            if chat:
+                # With the choice's first event, not before: clients (vLLM's benchmark
+                # among them) time the first token from the first chunk with a choice.
+                yield _sse(chunk(index, "", None, role=True))
+            if shape.echo:
+                text = shape.prompt_texts[spec.prompt_index] + text
         started.add(index)
         logprobs: dict[str, Any] | None = None
         if shape.logprobs:
