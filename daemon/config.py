@@ -88,6 +88,20 @@ class ServerConfig(_Section):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 
+class ApiConfig(_Section):
+    tool_parser: Literal["auto", "hermes", "llama3"] = Field(
+        "auto",
+        description="How tool calls are read from an answer (tool_choice auto): hermes "
+        "(<tool_call> JSON blocks), llama3 (a bare JSON object with name and parameters), "
+        "auto: the format the chat template shows, else hermes.",
+    )
+    tools_without_template: Literal["system_message", "refuse"] = Field(
+        "system_message",
+        description="A chat template that does not render tools: list them in a system "
+        "message (Hermes format) or refuse requests that offer tools (400).",
+    )
+
+
 # Weight quantization level names (wattserve_kernels/quant.py LEVEL_NAMES; kept equal by a test,
 # spelled out here so that reading the config needs no torch).
 QuantLevelName = Literal["fp32", "bf16", "int8", "int4", "int4-g128", "fp8"]
@@ -355,6 +369,7 @@ class Config(BaseSettings):
     )
 
     server: ServerConfig = ServerConfig()
+    api: ApiConfig = ApiConfig()
     engine: EngineConfig = EngineConfig()
     device: DeviceConfig = DeviceConfig()
     controller: ControllerConfig = ControllerConfig()

@@ -24,6 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from daemon.api.chat_tools import ToolPlan, plan_tools, template_messages
 from daemon.api.choices import Choices, ChoiceSpec, start_choices
 from daemon.api.errors import APIError, error_body, error_response, from_invalid_request
 from daemon.api.generation import ClientGone, GenerationStream
@@ -32,15 +33,16 @@ from daemon.api.schemas import (
     _SEED_MAX,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatMessage,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
     _SamplingFields,
 )
 from daemon.api.state import ServingState, Unavailable
 from daemon.api.structured import requested_guide
+from daemon.api.tools import CallDelta, ContentDelta, Delta, ToolCallReader, read_all
 from daemon.engine.engine import Engine
 from daemon.engine.request import (
     GuidedDecoding,
@@ -149,25 +151,35 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     state = serving(request)
     engine = require_engine(state)
-    messages = chat_messages(body.messages)
+    plan = chat_plan(state, engine, body)
 
     def render() -> list[list[int]]:
-        return [render_chat(engine, messages)]
+        return [render_chat(engine, template_messages(body.messages, plan), True, plan)]
 
-    return await _generate(request, state, engine, body, render, "chat.completion", "messages")
+    return await _generate(
+        request, state, engine, body, render, "chat.completion", "messages", plan
+    )
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    return [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in messages
-    ]
+def chat_plan(
+    state: ServingState, engine: Engine, body: ChatCompletionRequest | TokenizeChatRequest
+) -> ToolPlan:
+    """The request's tools plan (chat_tools.py); its refusals as OpenAI-shaped 400s."""
+    try:
+        return plan_tools(body, engine.tokenizer, state.cfg.api)
+    except InvalidRequestError as e:
+        state.metrics.requests.labels("rejected_invalid").inc()
+        raise from_invalid_request(e) from None
 
 
 def render_chat(
-    engine: Engine, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    engine: Engine,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    plan: ToolPlan | None = None,
 ) -> list[int]:
-    """Apply the tokenizer's chat template and tokenize; template failures are the caller's."""
+    """Apply the tokenizer's chat template (with the plan's tools) and tokenize; template
+    failures are the caller's."""
     tokenizer = engine.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(
@@ -175,7 +187,10 @@ def render_chat(
         )
     try:
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages,
+            tools=None if plan is None else plan.template_tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
         )
     except Exception as e:  # jinja raises TemplateError (and others) for messages it rejects
         raise InvalidRequestError(
@@ -266,7 +281,11 @@ class _Shape:
     echo: bool
     prompt_only: bool  # completions max_tokens 0: the one token generated is dropped
     token_text: TokenText
+    tools: ToolPlan | None  # tool calls may be in the answer: read them out
     prompt_texts: list[str]
+
+    def reader(self) -> ToolCallReader | None:
+        return None if self.tools is None else self.tools.new_reader()
 
 
 def _completion_logprobs(
@@ -293,6 +312,7 @@ async def _generate(
     build_prompts: Callable[[], list[list[int]]],
     kind: str,
     prompt_param: str,
+    tools: ToolPlan | None = None,
 ) -> Any:
     arrival_s = time.monotonic()
     model = check_model(state, engine, body.model)
@@ -312,6 +332,12 @@ async def _generate(
         # Templating and tokenizing a long prompt takes a while: keep the loop responsive.
         prompts = await asyncio.to_thread(build_prompts)
         guide = requested_guide(body)
+        if tools is not None and tools.guide is not None:
+            if guide is not None:
+                raise InvalidRequestError(
+                    f"a forced tool call cannot be combined with {guide[1]}", param=guide[1]
+                )
+            guide = (tools.guide, "tools")
         if guide is not None:
             # A schema the library cannot compile is refused here; compiling takes from
             # milliseconds to seconds, so not on the loop. The engine finds it cached.
@@ -341,6 +367,7 @@ async def _generate(
         echo=echo,
         prompt_only=prompt_only,
         token_text=text_of,
+        tools=tools if tools is not None and tools.mode != "none" else None,
         prompt_texts=(
             [_prompt_text(engine, p, q) for p, q in zip(prompts, _raw_prompts(body), strict=True)]
             if echo
@@ -386,8 +413,39 @@ def _prompt_text(engine: Engine, ids: list[int], raw: str | list[int]) -> str:
     return raw if isinstance(raw, str) else engine.tokenizer.decode(ids)
 
 
-def _finish_reason(shape: _Shape, stream: GenerationStream) -> str | None:
-    return "length" if shape.prompt_only else stream.finish_reason
+def _finish_reason(
+    shape: _Shape, stream: GenerationStream, reader: ToolCallReader | None = None
+) -> str | None:
+    if shape.prompt_only:
+        return "length"
+    if reader is not None and reader.calls and stream.finish_reason == "stop":
+        return "tool_calls"
+    return stream.finish_reason
+
+
+def _message(text: str, reader: ToolCallReader | None) -> dict[str, Any]:
+    """The assistant message of a whole answer; tool calls read out when asked for."""
+    if reader is None:
+        return {"role": "assistant", "content": text}
+    content, calls = read_all(reader, text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls
+        ]
+    return message
+
+
+def _delta_tool_call(d: CallDelta) -> dict[str, Any]:
+    if d.id is None:
+        return {"index": d.index, "function": {"arguments": d.arguments}}
+    return {
+        "index": d.index,
+        "id": d.id,
+        "type": "function",
+        "function": {"name": d.name, "arguments": d.arguments},
+    }
 
 
 async def _collect(choices: Choices, shape: _Shape, request: Request) -> list[dict[str, Any]]:
@@ -428,12 +486,14 @@ async def _collect(choices: Choices, shape: _Shape, request: Request) -> list[di
                 key: [v for block in lps[index] for v in block[key]]
                 for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
             }
-        reason = _finish_reason(shape, stream)
+        reader = shape.reader()
+        message = _message(text, reader)
+        reason = _finish_reason(shape, stream, reader)
         if shape.chat:
             result.append(
                 {
                     "index": index,
-                    "message": {"role": "assistant", "content": text},
+                    "message": message,
                     "logprobs": logprobs,
                     "finish_reason": reason,
                 }
@@ -478,6 +538,7 @@ async def _sse_chunks(
         finish: str | None,
         logprobs: dict[str, Any] | None = None,
         role: bool = False,
+        tool_call: CallDelta | None = None,
     ) -> dict[str, Any]:
         if chat:
             delta: dict[str, Any] = {}
@@ -485,6 +546,8 @@ async def _sse_chunks(
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if tool_call is not None:
+                delta["tool_calls"] = [_delta_tool_call(tool_call)]
             choice: dict[str, Any] = {
                 "index": index,
                 "delta": delta,
@@ -509,14 +572,37 @@ async def _sse_chunks(
             out["usage"] = None
         return out
 
-    if chat:
-        for index in sorted(by_index):
-            yield _sse(chunk(index, "", None, role=True))
+    readers = {i: shape.reader() for i in by_index}
+
+    def pieces(
+        index: int, text: str, logprobs: dict[str, Any] | None, finished: bool
+    ) -> list[dict[str, Any]]:
+        """The chunks of one event: its text, or what the tool-call reader makes of it."""
+        reader = readers[index]
+        if reader is None:
+            return [chunk(index, text, None, logprobs)] if text or logprobs is not None else []
+        deltas: list[Delta] = reader.feed(text) + (reader.finish() if finished else [])
+        out = []
+        for d in deltas:
+            if isinstance(d, ContentDelta):
+                out.append(chunk(index, d.text, None, logprobs))
+            else:
+                out.append(chunk(index, None, None, logprobs, tool_call=d))
+            logprobs = None  # sent once, with the event's first chunk
+        if logprobs is not None:  # the reader holds the text back; the logprobs go now
+            out.append(chunk(index, None, None, logprobs))
+        return out
+
     async for index, out in choices.events():
         spec, stream = by_index[index]
         text = "" if shape.prompt_only else out.text
-        if shape.echo and index not in started:
-            text = shape.prompt_texts[spec.prompt_index] + text
+        if index not in started:
+            if chat:
+                # With the choice's first event, not before: clients (vLLM's benchmark
+                # among them) time the first token from the first chunk with a choice.
+                yield _sse(chunk(index, "", None, role=True))
+            if shape.echo:
+                text = shape.prompt_texts[spec.prompt_index] + text
         started.add(index)
         logprobs: dict[str, Any] | None = None
         if shape.logprobs:
@@ -529,16 +615,16 @@ async def _sse_chunks(
                     logprobs = None
         if not out.finished:
             # A token that completes no character yet has nothing to show (unless logprobs).
-            if text or logprobs is not None:
-                yield _sse(chunk(index, text, None, logprobs))
+            for piece in pieces(index, text, logprobs, finished=False):
+                yield _sse(piece)
             continue
         if stream.finish_reason == "error":
             choices.close()
             yield _sse(error_body(500, stream.error or "generation failed", code="engine_error"))
             break
-        if text or logprobs is not None:
-            yield _sse(chunk(index, text, None, logprobs))
-        yield _sse(chunk(index, None, _finish_reason(shape, stream)))
+        for piece in pieces(index, text, logprobs, finished=True):
+            yield _sse(piece)
+        yield _sse(chunk(index, None, _finish_reason(shape, stream, readers[index])))
     else:
         if include_usage:
             completion_tokens = 0 if shape.prompt_only else choices.completion_tokens

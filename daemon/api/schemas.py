@@ -13,7 +13,9 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -31,6 +33,8 @@ _MAX_N = 16  # choices per prompt
 _MAX_PROMPTS = 16  # prompts in one completions request
 _MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 _MAX_LOGIT_BIAS = 1024  # entries
+_MAX_TOOLS = 128
+_FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 
 
 # OpenAI fields this server accepts only at the value that changes nothing: anything else
@@ -43,8 +47,8 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "early_stopping": (False,),
     "spaces_between_special_tokens": (True,),
     "suffix": ("",),
-    "tools": ([],),
-    "tool_choice": ("none",),
+    # /tokenize: generation here never adds special tokens to a prompt, so neither may this.
+    "add_special_tokens": (False,),
 }
 
 
@@ -314,21 +318,135 @@ class TextPart(_Body):
     text: str
 
 
-class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
-    name: str | None = Field(None, max_length=256)
+class ToolCallFunction(_Body):
+    name: str = Field(..., max_length=256)
+    arguments: str = Field(..., description="The arguments as JSON text.")
 
-    @model_validator(mode="after")
-    def _has_content(self) -> ChatMessage:
-        if self.content is None:
-            raise ValueError("content is required")
-        return self
+
+class MessageToolCall(_Body):
+    """A tool call of an earlier assistant turn, as the API returned it."""
+
+    id: str = Field(..., max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+MessageContent = str | Annotated[list[TextPart], Field(min_length=1)]
+
+
+class _Turn(_Body):
+    name: str | None = Field(None, max_length=256)
+    content: MessageContent | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+class SystemTurn(_Turn):
+    role: Literal["system", "developer"]
+    content: MessageContent
+
+
+class UserTurn(_Turn):
+    role: Literal["user"]
+    content: MessageContent
+
+
+class AssistantTurn(_Turn):
+    role: Literal["assistant"]
+    content: MessageContent | None = Field(None, description="Required without tool_calls.")
+    tool_calls: list[MessageToolCall] | None = Field(
+        None, max_length=_MAX_TOOLS, description="The calls this turn made."
+    )
+    refusal: str | None = Field(None, description="Accepted, not rendered.")
+
+    @model_validator(mode="after")
+    def _has_content(self) -> AssistantTurn:
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is required (except with tool_calls)")
+        return self
+
+
+class ToolTurn(_Turn):
+    role: Literal["tool"]
+    content: MessageContent
+    tool_call_id: str = Field(..., max_length=256, description="The call this answers.")
+
+
+_TURN_TAGS = {
+    "system": "SystemTurn",
+    "developer": "SystemTurn",
+    "user": "UserTurn",
+    "assistant": "AssistantTurn",
+    "tool": "ToolTurn",
+}
+
+
+def _turn_tag(value: Any) -> str | None:
+    role = value.get("role") if isinstance(value, dict) else getattr(value, "role", None)
+    return _TURN_TAGS.get(role) if isinstance(role, str) else None
+
+
+# One model per role (as OpenAI's own schema has it), so the schema says which fields a
+# role needs. Tags are capitalised so error params leave them out (errors.py).
+ChatMessage = Annotated[
+    Annotated[SystemTurn, Tag("SystemTurn")]
+    | Annotated[UserTurn, Tag("UserTurn")]
+    | Annotated[AssistantTurn, Tag("AssistantTurn")]
+    | Annotated[ToolTurn, Tag("ToolTurn")],
+    Discriminator(
+        _turn_tag,
+        custom_error_type="invalid_role",
+        custom_error_message="role must be one of: " + ", ".join(_TURN_TAGS),
+    ),
+]
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(..., pattern=_FUNCTION_NAME)
+    description: str | None = Field(None, max_length=1 << 16)
+    parameters: dict[str, Any] | None = Field(
+        None,
+        description="The arguments' JSON schema; a forced call is decoded under it. "
+        "Omitted: no arguments.",
+    )
+    strict: bool | None = Field(
+        None, description="Accepted; a forced call always follows the schema."
+    )
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str = Field(..., pattern=_FUNCTION_NAME)
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+Tools = Annotated[
+    list[ToolDefinition],
+    Field(
+        max_length=_MAX_TOOLS,
+        description="Functions the model may call (names unique); rendered through the "
+        "chat template.",
+    ),
+]
+ToolChoice = Annotated[
+    Literal["none", "auto", "required"] | NamedToolChoice,
+    Field(
+        description="none: no call (tools left out of the prompt); auto: the model decides; "
+        "required / a named function: a call is decoded under the tools' JSON schema. "
+        "Default: auto with tools, none without."
+    ),
+]
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -341,20 +459,11 @@ class ChatCompletionRequest(_SamplingFields):
         le=_MAX_LOGPROBS,
         description="Alternatives per token (needs logprobs: true).",
     )
-    tools: list[dict[str, Any]] | None = Field(
-        None,
-        description="Not supported: must be empty.",
-        json_schema_extra=_neutral_schema("tools"),
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: at most one call per answer (default: several allowed)."
     )
-    tool_choice: str | dict[str, Any] | None = Field(
-        None, description="Only 'none'.", json_schema_extra=_neutral_schema("tool_choice")
-    )
-    parallel_tool_calls: bool | None = None
-
-    @field_validator("tools", "tool_choice")
-    @classmethod
-    def _neutral_chat(cls, v: Any, info: ValidationInfo) -> Any:
-        return _require_neutral(v, info)
 
     @property
     def max_tokens_param(self) -> str:
@@ -369,7 +478,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 # ---- responses ---------------------------------------------------------------------
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class Usage(BaseModel):
@@ -418,9 +527,23 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class ResponseFunction(BaseModel):
+    name: str
+    arguments: str = Field(..., description="JSON text.")
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = Field(
+        None, description="Present when the answer called tools (finish_reason tool_calls)."
+    )
 
 
 class ChatChoice(BaseModel):
@@ -457,9 +580,25 @@ class CompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of tool call `index`: first its id, type and name (arguments ""), then
+    pieces of its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction | None = None
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -483,12 +622,26 @@ class ChatCompletionChunk(BaseModel):
 class TokenizeCompletionRequest(_Body):
     model: str | None = None
     prompt: str = Field(..., max_length=1 << 20)
+    add_special_tokens: bool | None = Field(
+        None,
+        description="Only false: completions here never add special tokens (vLLM's "
+        "benchmark client sends false).",
+        json_schema_extra=_neutral_schema("add_special_tokens"),
+    )
+
+    @field_validator("add_special_tokens")
+    @classmethod
+    def _neutral_tokenize(cls, v: Any, info: ValidationInfo) -> Any:
+        return _require_neutral(v, info)
 
 
 class TokenizeChatRequest(_Body):
     model: str | None = None
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=4096)
     add_generation_prompt: bool = True
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeResponse(BaseModel):

@@ -1,9 +1,9 @@
 """vLLM's /tokenize and /detokenize: the token ids generation would see, and back.
 
-/tokenize takes a completions prompt or chat messages (rendered with the chat template
-exactly as /v1/chat/completions renders them) and returns the ids with their count and
-the context length; /detokenize turns ids into text. Tokenizing runs off the event loop.
-It must not generate or queue anything in the engine.
+/tokenize takes a completions prompt or chat messages (rendered with the chat template,
+tools included, exactly as /v1/chat/completions renders them) and returns the ids with
+their count and the context length; /detokenize turns ids into text. Tokenizing runs
+off the event loop. It must not generate or queue anything in the engine.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import asyncio
 
 from fastapi import APIRouter, Request
 
+from daemon.api.chat_tools import template_messages
 from daemon.api.errors import from_invalid_request
-from daemon.api.openai import chat_messages, check_model, render_chat, require_engine, serving
+from daemon.api.openai import chat_plan, check_model, render_chat, require_engine, serving
 from daemon.api.schemas import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -34,10 +35,11 @@ async def tokenize(
     engine = require_engine(state)
     check_model(state, engine, body.model)
     if isinstance(body, TokenizeChatRequest):
-        messages = chat_messages(body.messages)
+        plan = chat_plan(state, engine, body)
+        messages = template_messages(body.messages, plan)
         add = body.add_generation_prompt
         try:
-            ids = await asyncio.to_thread(render_chat, engine, messages, add)
+            ids = await asyncio.to_thread(render_chat, engine, messages, add, plan)
         except InvalidRequestError as e:
             raise from_invalid_request(e) from None
     else:

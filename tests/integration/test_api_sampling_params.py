@@ -442,6 +442,11 @@ def test_tokenize_and_detokenize(client, tiny_llama) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
     r = client.post("/tokenize", json={"prompt": "a", "bogus": 1})
     assert r.status_code == 400
+    # vLLM's benchmark client aligns its prompts with this body (model, prompt, false).
+    vllm_body = {"model": None, "prompt": "abc de", "add_special_tokens": False}
+    assert client.post("/tokenize", json=vllm_body).json()["tokens"] == ids
+    r = client.post("/tokenize", json={**vllm_body, "add_special_tokens": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens"
 
 
 def test_prompt_logprobs_of_a_prompt_whose_prefix_is_cached(oai, tiny_llama) -> None:

@@ -87,15 +87,16 @@ def test_chat_body() -> None:
     assert (req.max_new_tokens, req.max_tokens_param) == (5, "max_completion_tokens")
     for bad, param in [
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
-        ({"messages": [{"role": "user"}]}, "messages.0"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "messages.0"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
+        ({"messages": [{"role": "user"}]}, "messages.0.content"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages.0.content.0.type",
         ),
         (
             {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-            "tools",
+            "tools.0.function",
         ),
     ]:
         with pytest.raises(ValidationError) as e:
