@@ -138,10 +138,11 @@ class EngineConfig(_Section):
     max_model_len: int | None = Field(None, gt=0)
     threads: int | None = Field(None, gt=0)
     default_max_tokens: int = Field(256, gt=0)
-    quantization_levels: list[QuantLevelName] = Field(
-        default_factory=lambda: ["fp32", "bf16", "int8", "int4"],
+    quantization_levels: list[QuantLevelName] | None = Field(
+        None,
         min_length=1,
-        description="Weight quantization levels the controller and the API may switch to.",
+        description="Weight quantization levels the controller and the API may switch to; "
+        "unset: by device (CPU fp32, bf16, int8, int4; CUDA bf16, fp8, int8, int4).",
     )
     quantization_level: QuantLevelName | None = Field(
         None, description="Level at start; unset: the level of the loaded dtype."
@@ -160,8 +161,10 @@ class EngineConfig(_Section):
 
     @model_validator(mode="after")
     def _check_quant_level(self) -> EngineConfig:
-        if self.quantization_level is not None and (
-            self.quantization_level not in self.quantization_levels
+        if (
+            self.quantization_level is not None
+            and self.quantization_levels is not None
+            and self.quantization_level not in self.quantization_levels
         ):
             raise ValueError(
                 f"quantization_level {self.quantization_level!r} is not one of "

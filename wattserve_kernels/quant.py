@@ -82,6 +82,16 @@ def parse_level(name: str) -> QuantLevel:
     return level
 
 
+def default_levels(device: torch.device | str) -> tuple[str, ...]:
+    """The levels an engine offers when none are configured: on the CPU fp32, bf16, int8,
+    int4; on CUDA bf16 (the weights' dtype there), fp8 (the GPU's own 8-bit matmul where
+    it has one: on Hopper and Ada the level before int8), int8, int4. A level the device
+    cannot run is then left out with its reason (level_unavailable_reason)."""
+    if torch.device(device).type == "cuda":
+        return ("bf16", "fp8", "int8", "int4")
+    return ("fp32", "bf16", "int8", "int4")
+
+
 def head_level(level: QuantLevel) -> QuantLevel:
     """The level the LM head is stored at under `level`."""
     return parse_level(level.head_level) if level.head_level else level

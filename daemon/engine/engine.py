@@ -35,7 +35,12 @@ from daemon.engine.model import LlamaModel, StepLayout, model_shape
 from daemon.engine.request import InvalidRequestError, RequestOutput, SamplingParams, TokenLogprob
 from daemon.engine.sampler import make_generator, sample
 from daemon.engine.scheduler import EngineLimits, SchedulePlan, Scheduler, Sequence
-from wattserve_kernels.quant import QuantLevelError, level_unavailable_reason, parse_level
+from wattserve_kernels.quant import (
+    QuantLevelError,
+    default_levels,
+    level_unavailable_reason,
+    parse_level,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +71,7 @@ class EngineOptions:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     threads: int | None = None
-    quantization_levels: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
+    quantization_levels: tuple[str, ...] | None = None  # None: default_levels(device)
     quantization_level: str | None = None  # None: the loaded dtype's level
     quant_prepare: str = "lazy"  # "lazy": build a level on first use; "start": all at start
     enable_prefix_caching: bool = True  # share the KV blocks of equal prompt prefixes
@@ -83,7 +88,9 @@ class EngineOptions:
             max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
             max_model_len=engine_cfg.max_model_len,
             threads=engine_cfg.threads,
-            quantization_levels=tuple(engine_cfg.quantization_levels),
+            quantization_levels=(
+                tuple(engine_cfg.quantization_levels) if engine_cfg.quantization_levels else None
+            ),
             quantization_level=engine_cfg.quantization_level,
             quant_prepare=engine_cfg.quant_prepare,
             enable_prefix_caching=engine_cfg.enable_prefix_caching,
@@ -196,7 +203,7 @@ class Engine:
         self.eos_token_ids = _eos_ids(loaded)
         self.grammars = Grammars(self.tokenizer, shape.vocab_size, self.eos_token_ids)
         self._quant_allowed, self._quant_unavailable = _usable_levels(
-            options.quantization_levels, loaded.dtype, dev
+            options.quantization_levels or default_levels(dev), loaded.dtype, dev
         )
         self._quant_prepare = options.quant_prepare
         start_level = options.quantization_level or self.model.full_precision_level

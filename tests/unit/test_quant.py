@@ -255,3 +255,13 @@ def test_cuda_int4_packing_round_trips():
         pytest.skip(f"int4 CUDA kernel needs compute capability 8.0, have {cuda_capability()}")
     q = torch.randint(0, 16, (32, 256), dtype=torch.uint8, device="cuda")
     assert torch.equal(unpack_int4(pack_int4(q), 32, 256, 32), q)
+
+
+def test_default_levels_follow_the_device():
+    from wattserve_kernels.quant import default_levels, level_unavailable_reason
+
+    assert default_levels("cpu") == ("fp32", "bf16", "int8", "int4")
+    cuda = default_levels(torch.device("cuda", 0))
+    assert cuda[:2] == ("bf16", "fp8") and set(cuda) >= {"int8", "int4"}
+    # Where a level cannot run (fp8 without such a GPU) the engine leaves it out, saying why.
+    assert "fp8" in (level_unavailable_reason("fp8", torch.bfloat16, "cpu") or "")
