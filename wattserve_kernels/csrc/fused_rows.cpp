@@ -19,6 +19,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "fast_exp.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -31,27 +33,6 @@ constexpr int64_t kSerialElements = 32768;
 
 int64_t row_grain(int64_t row_elements) {
   return std::max<int64_t>(1, kSerialElements / std::max<int64_t>(1, row_elements));
-}
-
-// exp(x) vectorizable: x = n ln2 + f ln2 with |f| <= 1/2, 2^f from its degree-6 Taylor
-// polynomial (relative error below 2e-7), 2^n from the exponent bits; x clamped to the
-// range where float32 neither overflows nor goes subnormal.
-inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.f), 88.f);
-  const float t = x * 1.44269504f;
-  const float n = std::nearbyint(t);
-  const float f = t - n;
-  float p = 1.5403530e-4f;
-  p = p * f + 1.3333558e-3f;
-  p = p * f + 9.6181291e-3f;
-  p = p * f + 5.5504109e-2f;
-  p = p * f + 2.4022651e-1f;
-  p = p * f + 6.9314718e-1f;
-  p = p * f + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
 }
 
 template <typename T>
@@ -80,7 +61,7 @@ inline void silu_mul_row(const T* g, const T* u, T* y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float gv = static_cast<float>(g[i]);
-    y[i] = static_cast<T>(gv / (1.f + exp_approx(-gv)) * static_cast<float>(u[i]));
+    y[i] = static_cast<T>(gv / (1.f + wattserve::exp_approx(-gv)) * static_cast<float>(u[i]));
   }
 }
 

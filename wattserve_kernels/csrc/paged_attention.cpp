@@ -21,6 +21,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "fast_exp.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -57,28 +59,6 @@ struct WorkItem {
   int64_t q_begin;  // query tokens [q_begin, q_end) of this sequence, 0-based within it
   int64_t q_end;
 };
-
-// exp(x) for x <= 0 (scores minus their running maximum), vectorizable: x = n ln2 + f ln2
-// with |f| <= 1/2, 2^f from its degree-6 Taylor polynomial (relative error below 2e-7),
-// 2^n from the exponent bits. Inputs below -87 give about 1e-38 rather than 0; callers
-// zero the masked keys themselves.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float t = x * 1.44269504f;
-  const float n = std::nearbyint(t);
-  const float f = t - n;
-  float p = 1.5403530e-4f;
-  p = p * f + 1.3333558e-3f;
-  p = p * f + 9.6181291e-3f;
-  p = p * f + 5.5504109e-2f;
-  p = p * f + 2.4022651e-1f;
-  p = p * f + 6.9314718e-1f;
-  p = p * f + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 // Rows of query heads whose scores are computed together against one transposed key
 // block: eight independent accumulator chains keep both FMA ports busy.
@@ -132,14 +112,14 @@ void tiled_item(const float* qf, int64_t rows_padded, int64_t rows, int64_t G,
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t o = 0; o < kBlock; ++o) {
-          const float e = exp_nonpositive(s[r][o] - mx);
+          const float e = wattserve::exp_approx(s[r][o] - mx);
           p[o] = o < n ? e : 0.f;
           sum += p[o];
         }
         // The first block: m is -inf, and there is nothing to rescale.
         const float corr = m[row] == -std::numeric_limits<float>::infinity()
                                ? 0.f
-                               : exp_nonpositive(m[row] - mx);
+                               : wattserve::exp_approx(m[row] - mx);
         float a[D];
         float* ar = acc + row * D;
 #pragma omp simd
