@@ -49,12 +49,15 @@ def test_engine_loop_death_fails_requests_refuses_work_and_exits_non_zero(tiny_l
 
         daemon._drain = drain_when_released  # type: ignore[method-assign]
         schedule = engine.scheduler.schedule
+        tokens_before = engine.counters.generation_tokens  # the start's warm-up counts too
 
         def faulty_schedule(*args, **kwargs):
             held = engine.num_running + engine.num_waiting
             if held >= 2:
                 raise RuntimeError("injected scheduler fault")
-            if held == 1:  # keep the first request running until the second is admitted
+            # Once the first request has its first token out (the stream's first chunk goes
+            # with it), keep it running until the second is admitted.
+            if held == 1 and engine.counters.generation_tokens > tokens_before:
                 second_admitted.wait(WAIT_S)
             return schedule(*args, **kwargs)
 
@@ -72,7 +75,7 @@ def test_engine_loop_death_fails_requests_refuses_work_and_exits_non_zero(tiny_l
             ) as streamed:
                 assert streamed.status_code == 200
                 lines = (line for line in streamed.iter_lines() if line)
-                first = next(lines)  # the role chunk: the stream is open and in flight
+                first = next(lines)  # the first token's chunk: the stream is open and in flight
                 assert first.startswith("data: {")
                 other = threading.Thread(
                     target=lambda: results.update(
