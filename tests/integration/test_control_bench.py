@@ -306,3 +306,49 @@ def test_the_oracle_on_a_tiny_scenario_finds_the_exhaustive_best_and_beats_one_k
     assert len(admissible) >= 5
     for s in admissible:
         assert found.summary["j_per_token"] <= runs[s]["j_per_token"], s
+
+
+def test_bench_control_reports_the_oracle_per_scenario_and_in_the_bars(tmp_path, capsys):
+    line = _bench_json(
+        "control",
+        tmp_path,
+        capsys,
+        "--levels",
+        "fp32,bf16",
+        "--scenarios",
+        "steady60",
+        "--systems",
+        "controller,max_clock,best_static",
+        "--duration-s",
+        "30",
+        "--no-plots",
+    )
+    for key in (
+        "attainment_pct",
+        "energy_saving_vs_max_clock_pct",
+        "over_budget_pct",
+        "oracle_saving_vs_max_clock_pct",
+        "saving_vs_oracle_ratio",
+    ):
+        assert key in line, key
+    oracle = line["oracle"]["steady60"]
+    assert set(oracle["setting"]) >= {
+        "level",
+        "sm_clock_mhz",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "decode_interval_ms",
+    }
+    assert oracle["setting"]["level"] in ("fp32", "bf16")
+    row = line["per_scenario"]["steady60"]
+    # The oracle's run again is the same run: the table's row has its figures.
+    assert oracle["j_per_token"] == row["best_static"]["j_per_token"]
+    assert oracle["attainment_pct"] == row["best_static"]["attainment_pct"]
+    assert oracle["oracle_saving_vs_max_clock_pct"] == pytest.approx(
+        100 * (1 - oracle["j_per_token"] / row["max_clock"]["j_per_token"]), abs=0.01
+    )
+    assert oracle["oracle_saving_vs_max_clock_pct"] > 0
+    assert line["saving_vs_oracle_ratio"] == pytest.approx(
+        line["energy_saving_vs_max_clock_pct"] / oracle["oracle_saving_vs_max_clock_pct"],
+        abs=1e-3,
+    )
