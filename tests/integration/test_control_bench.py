@@ -223,11 +223,15 @@ def test_bench_control_ceiling_reports_each_family(tmp_path, capsys):
         "150",
     )
     assert line["scenario"] == "steady60" and line["max_clock_j_per_token"] > 0
-    for fam in ("one_clock", "phase_clocks", "paced", "phase_clocks_paced"):
+    for fam in ("one_clock", "phase_clocks", "paced", "phase_clocks_paced", "oracle"):
         assert f"{fam}_saving_pct" in line
     # The top clock on bf16 meets the SLOs here, so the one-clock family has a setting,
     # and bf16 at a locked clock uses less energy than fp32 at max clock with no lock.
     assert line["one_clock_saving_pct"] is not None and line["one_clock_saving_pct"] > 0
+    # The oracle searches clock, caps, level and pacing jointly: it does at least as well
+    # as one clock, or one clock and pacing.
+    assert line["oracle_saving_pct"] >= line["one_clock_saving_pct"]
+    assert line["oracle_saving_pct"] >= line["paced_saving_pct"]
 
 
 def test_a_fixed_system_name_with_one_study_field_is_refused_by_name():
