@@ -39,6 +39,7 @@ from bench.control_systems import best_static, run_model
 from controller.policy import ControlMode, Policy
 from daemon.sim.calibration import Calibration, calibration_path
 from daemon.sim.metrics import summarize
+from daemon.sim.oracle import OracleResult
 from daemon.sim.run import measure_capacity
 from daemon.sim.scenarios import RequestMix, Scenario, make_scenarios
 
@@ -266,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     table: dict[str, dict[str, dict]] = {}
+    oracles: dict[str, OracleResult] = {}
     args.out.mkdir(parents=True, exist_ok=True)
     for name in names:
         sc = scenarios[name]
@@ -273,8 +275,12 @@ def main(argv: list[str] | None = None) -> int:
         for sys_name in systems:
             t0 = time.perf_counter()
             if sys_name == "best_static":
-                res, label = best_static(sc, cal, capacity, mix, policy, levels, start)
-                print(f"{name:>12} {'best_static':>22}: hindsight choice {label}", flush=True)
+                res, oracles[name] = best_static(sc, cal, capacity, mix, policy, levels, start)
+                print(
+                    f"{name:>12} {'best_static':>22}: hindsight oracle "
+                    f"{oracles[name].setting.label} ({oracles[name].evaluated} settings run)",
+                    flush=True,
+                )
             elif args.engine == "model":
                 res = run_model(sc, sys_name, cal, capacity, mix, policy, levels, start)
             else:
@@ -312,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
         path = args.out / f"control-{args.engine}-summary.png"
         plot_summary(table, path, f"{args.engine} engine, virtual H200: J/token and SLO attainment")
         print(f"wrote {path}", flush=True)
-    line = _headline(table, args, cal, capacity, duration, levels, speeds)
+    oracle = oracle_facts(table, oracles)
+    line = _headline(table, args, cal, capacity, duration, levels, speeds, oracle)
+    line["oracle"] = oracle
     line["calibration"] = cal_facts
     line["seed_offset"] = args.seed_offset
     line["seeds"] = {name: scenarios[name].seed for name in names}
@@ -323,6 +331,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def oracle_facts(table: dict, oracles: dict[str, OracleResult]) -> dict[str, dict]:
+    """Per scenario: the hindsight oracle's setting and figures, its saving against max
+    clock, and the controller's saving as a fraction of it (`saving_vs_oracle_ratio`;
+    None where max clock or the controller did not run, or the oracle saves nothing)."""
+
+    def saving(row: dict | None, base: dict | None) -> float | None:
+        if not row or not base or not row.get("j_per_token") or not base.get("j_per_token"):
+            return None
+        return round(100.0 * (1 - row["j_per_token"] / base["j_per_token"]), 2)
+
+    out = {}
+    for name, found in oracles.items():
+        base = table[name].get("max_clock")
+        oracle_saving = saving(found.summary, base)
+        ctl_saving = saving(table[name].get("controller"), base)
+        ratio = None
+        if oracle_saving is not None and ctl_saving is not None and oracle_saving > 0:
+            ratio = round(ctl_saving / oracle_saving, 3)
+        out[name] = {
+            **found.as_dict(),
+            "oracle_saving_vs_max_clock_pct": oracle_saving,
+            "controller_saving_vs_max_clock_pct": ctl_saving,
+            "saving_vs_oracle_ratio": ratio,
+        }
+    return out
+
+
 def _headline(
     table: dict,
     args,
@@ -331,6 +366,7 @@ def _headline(
     duration: float,
     levels,
     speeds: dict[str, dict[str, float]] | None,
+    oracle: dict[str, dict],
 ) -> dict:
     line: dict[str, Any] = {}
     s60 = table.get("steady60", {})
@@ -342,11 +378,9 @@ def _headline(
             100.0 * (1 - ctl["j_per_token"] / base["j_per_token"]), 2
         )
         line["over_budget_pct"] = ctl["over_budget_pct"]
-        oracle = s60.get("best_static")
-        if oracle and oracle.get("j_per_token"):
-            line["best_static_saving_vs_max_clock_pct"] = round(
-                100.0 * (1 - oracle["j_per_token"] / base["j_per_token"]), 2
-            )
+        for key in ("oracle_saving_vs_max_clock_pct", "saving_vs_oracle_ratio"):
+            if "steady60" in oracle:
+                line[key] = oracle["steady60"][key]
         for system, key in (
             ("controller_fixed_quant", "energy_saving_vs_max_clock_fixed_quant_pct"),
             ("controller_unpaced", "energy_saving_vs_max_clock_unpaced_pct"),

@@ -1,62 +1,63 @@
-"""`wattserve bench control-ceiling`: how much energy any fixed setting could save, in
+"""`wattserve bench control-ceiling`: how much energy any static setting could save, in
 hindsight, on one `bench control` scenario (steady 60 % by default), against the max-clock
 baseline of the same run. It answers whether a J/token target is within reach of the
 knobs at all, before blaming the controller for missing it.
 
-It runs the engine model (daemon.sim) on the same seeded arrivals for a grid of
-fixed settings, in four families, and reports the least J/token with >= 99 % attainment in
-each:
-- one level and one locked clock (what `best_static` searches, on a finer clock grid);
-- per-phase clocks: steps with prefill at one clock, decode-only steps at another;
-- decode pacing: a decode-only step starts no sooner than an interval after the previous
-  one while no request waits (bigger decode batches, idle gaps between steps);
-- both.
+It runs the hindsight oracle's search (daemon.sim.oracle: coarse grid, then a pattern
+search; the least J/token with >= 99 % attainment) over restricted knob spaces, one per
+family, sharing the runs between them:
+- one_clock: one level and one locked clock (the engine's caps, no pacing);
+- phase_clocks: steps with prefill at one clock, decode-only steps at another;
+- paced: one clock and decode pacing (a decode-only step starts no sooner than an
+  interval after the previous one while no request waits);
+- phase_clocks_paced: both;
+- oracle: clock, batch caps, level and pacing jointly (what `bench control` reports as
+  the oracle; no per-phase clocks).
 Per-phase clocks are a mechanism of the engine model only, here to measure what they would
-be worth; decode pacing is the engine's knob (EngineLimits.decode_interval_ms) and the
-controller's. Nothing in this module is a controller or a baseline: every setting knows
-the whole trace in advance.
+be worth; the other knobs are the engine's and the controller's. Nothing in this module is
+a controller or a baseline: every setting knows the whole trace in advance.
 Prints one line per family and, last, one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import dataclasses
 import json
 import time
 
 from bench.control import DEFAULT_LEVELS, add_calibration_args, load_or_calibrate
 from bench.control_systems import run_model
 from controller.policy import ControlMode, Policy
+from daemon.device.virtual import VirtualGpuParams
 from daemon.sim.metrics import summarize
+from daemon.sim.oracle import Axis, SearchSpace, default_space, scenario_evaluator, search
 from daemon.sim.run import measure_capacity
 from daemon.sim.scenarios import RequestMix, make_scenarios
 
-PREFILL_CLOCKS_MHZ = (495, 645, 795, 945, 1095, 1245)
 DECODE_CLOCKS_MHZ = (345, 495, 645)
-DECODE_INTERVALS_MS = (100.0, 150.0, 200.0, 250.0)
-FAMILIES = ("one_clock", "phase_clocks", "paced", "phase_clocks_paced")
+FAMILIES = ("one_clock", "phase_clocks", "paced", "phase_clocks_paced", "oracle")
 
 
-def _family(mhz: int, decode_mhz: int, interval_ms: float) -> str:
-    split = decode_mhz != mhz
-    if interval_ms > 0:
-        return "phase_clocks_paced" if split else "paced"
-    return "phase_clocks" if split else "one_clock"
+def family_spaces(joint: SearchSpace, decode_clocks_mhz: tuple[int, ...]) -> dict[str, SearchSpace]:
+    """Each family's knob space, cut from the oracle's joint one (plus per-phase clocks)."""
+    caps_fixed = {
+        a: Axis.of((joint.axes[a].fine[-1],)) for a in ("max_num_seqs", "max_num_batched_tokens")
+    }
+    unpaced = {"decode_interval_ms": Axis.of((0.0,))}
+    one_clock = {"decode_clock_mhz": Axis.of((None,))}
+    split = {"decode_clock_mhz": Axis.of((*decode_clocks_mhz, None))}
 
+    def cut(**axes: Axis) -> SearchSpace:
+        return dataclasses.replace(joint, axes={**joint.axes, **caps_fixed, **axes})
 
-def grid(
-    levels: tuple[str, ...],
-    clocks_mhz: tuple[int, ...] = PREFILL_CLOCKS_MHZ,
-    decode_clocks_mhz: tuple[int, ...] = DECODE_CLOCKS_MHZ,
-    intervals_ms: tuple[float, ...] = DECODE_INTERVALS_MS,
-) -> list[tuple[str, int, int, float]]:
-    """(level, clock, decode-only clock, decode interval ms); decode never above prefill."""
-    out = []
-    for level, mhz, interval in itertools.product(levels, clocks_mhz, (0.0, *intervals_ms)):
-        for decode_mhz in sorted({mhz, *(d for d in decode_clocks_mhz if d < mhz)}):
-            out.append((level, mhz, decode_mhz, interval))
-    return out
+    return {
+        "one_clock": cut(**unpaced, **one_clock),
+        "phase_clocks": cut(**unpaced, **split),
+        "paced": cut(**one_clock),
+        "phase_clocks_paced": cut(**split),
+        "oracle": joint,
+    }
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -72,12 +73,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenario", default="steady60")
     ap.add_argument("--duration-s", type=float, default=300.0)
     ap.add_argument("--levels", type=lambda s: tuple(s.split(",")), default=DEFAULT_LEVELS)
-    ap.add_argument("--clocks-mhz", type=_ints, default=PREFILL_CLOCKS_MHZ)
+    ap.add_argument(
+        "--clocks-mhz", type=_ints, default=None, help="clocks to search (default: the ladder)"
+    )
     ap.add_argument("--decode-clocks-mhz", type=_ints, default=DECODE_CLOCKS_MHZ)
-    ap.add_argument("--intervals-ms", type=_floats, default=DECODE_INTERVALS_MS)
+    ap.add_argument(
+        "--intervals-ms",
+        type=_floats,
+        default=None,
+        help="decode pacing intervals besides 0 (default: every 25 ms up to 1000)",
+    )
     ap.add_argument("--budget-w", type=float, default=300.0)
     ap.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     ap.add_argument("--tpot-slo-ms", type=float, default=400.0)
+    ap.add_argument("--max-ppl-increase-pct", type=float, default=2.0)
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=None)
@@ -93,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         ttft_slo_ms=args.ttft_slo_ms,
         tpot_slo_ms=args.tpot_slo_ms,
         mode=ControlMode.AUTO,
+        max_ppl_increase_pct=args.max_ppl_increase_pct,
     )
     capacity = measure_capacity(cal, start, mix)
     scenario = make_scenarios(args.duration_s, args.budget_w, 220.0, 180.0)[args.scenario]
@@ -104,20 +114,22 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     base = run("max_clock")
     ctrl = run("controller")
-    best: dict[str, tuple[float, dict, str]] = {}
-    settings = grid(levels, args.clocks_mhz, args.decode_clocks_mhz, args.intervals_ms)
-    for level, mhz, decode_mhz, interval in settings:
-        r = run(f"fixed:{level}:{mhz}:{decode_mhz}:{interval:g}")
-        if (r["attainment_pct"] or 0) < 99.0:
-            continue
-        fam = _family(mhz, decode_mhz, interval)
-        label = (
-            f"{level} @ {mhz} MHz"
-            + (f", decode-only @ {decode_mhz} MHz" if decode_mhz != mhz else "")
-            + (f", decode every >= {interval:g} ms" if interval else "")
-        )
-        if fam not in best or r["j_per_token"] < best[fam][0]:
-            best[fam] = (r["j_per_token"], r, label)
+    joint = default_space(
+        levels, VirtualGpuParams().sm_clock_ladder_mhz(), block_size_tokens=cal.block_size_tokens
+    )
+    given = {}
+    if args.clocks_mhz:
+        given["sm_clock_mhz"] = Axis.of(args.clocks_mhz)
+    if args.intervals_ms:
+        given["decode_interval_ms"] = Axis.of((0.0, *args.intervals_ms))
+    joint = dataclasses.replace(joint, axes={**joint.axes, **given})
+    evaluate = scenario_evaluator(scenario, cal, capacity, mix, policy, start)
+    memo: dict = {}
+    best = {}
+    for fam, space in family_spaces(joint, args.decode_clocks_mhz).items():
+        # The oracle's space holds the one-clock and paced families': start from theirs.
+        seeds = tuple(best[f].setting for f in ("one_clock", "paced") if fam == "oracle")
+        best[fam] = search(evaluate, space, policy.slo_percentile, memo=memo, seeds=seeds)
 
     def saving(j: float) -> float:
         return round(100.0 * (1.0 - j / base["j_per_token"]), 2)
@@ -126,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{scenario.name}: max_clock {base['j_per_token']} J/token at "
         f"{base['attainment_pct']} %; controller {ctrl['j_per_token']} J/token at "
         f"{ctrl['attainment_pct']} % ({saving(ctrl['j_per_token'])} % saved); "
-        f"{len(settings)} fixed settings in {time.perf_counter() - t0:.0f} s"
+        f"{len(memo)} static settings in {time.perf_counter() - t0:.0f} s"
     )
     line: dict = {
         "scenario": scenario.name,
@@ -134,18 +146,20 @@ def main(argv: list[str] | None = None) -> int:
         "max_clock_attainment_pct": base["attainment_pct"],
         "controller_saving_pct": saving(ctrl["j_per_token"]),
         "controller_attainment_pct": ctrl["attainment_pct"],
+        "settings_run": len(memo),
     }
     for fam in FAMILIES:
-        if fam not in best:
-            print(f"{fam:>20}: no setting reached 99 % attainment")
+        found = best[fam]
+        if not found.admissible:
+            print(f"{fam:>20}: no setting reached {found.target_pct:g} % attainment")
             line[f"{fam}_saving_pct"] = None
             continue
-        j, r, label = best[fam]
+        r, j = found.summary, found.summary["j_per_token"]
         print(
-            f"{fam:>20}: {label}: {j} J/token ({saving(j)} % saved), attainment "
+            f"{fam:>20}: {found.setting.label}: {j} J/token ({saving(j)} % saved), attainment "
             f"{r['attainment_pct']} %, p99 TTFT {r['p99_ttft_ms']} ms, TPOT {r['p99_tpot_ms']} ms"
         )
         line[f"{fam}_saving_pct"] = saving(j)
-        line[f"{fam}_setting"] = label
+        line[f"{fam}_setting"] = found.setting.label
     print(json.dumps(line))
     return 0

@@ -1,7 +1,7 @@
 """The systems `bench control` compares, by name: the baselines (max clock, a static
 power cap, a PI loop on power, fixed settings), the daemon's controller and its variants
-(from daemon.sim.systems), and `best_static`, the hindsight reference over fixed
-settings. `run_model` runs one of them by name on the engine model.
+(from daemon.sim.systems), and `best_static`, the hindsight oracle over static settings
+(daemon.sim.oracle). `run_model` runs one of them by name on the engine model.
 
 Baselines and references only: the controller itself is the daemon's, never a copy.
 """
@@ -10,9 +10,16 @@ from __future__ import annotations
 
 import bisect
 
-from controller.policy import Policy
+from controller.policy import Policy, QuantOption, allowed_quant_levels
+from daemon.device.virtual import VirtualGpuParams
 from daemon.sim.calibration import Calibration
-from daemon.sim.metrics import summarize
+from daemon.sim.oracle import (
+    OracleResult,
+    StaticSetting,
+    StaticSystem,
+    default_space,
+    find_oracle,
+)
 from daemon.sim.run import RunResult, run_scenario
 from daemon.sim.scenarios import RequestMix, Scenario
 from daemon.sim.systems import PERIOD_S, Controlled, System
@@ -79,37 +86,6 @@ class PidOnPower(System):
         return {"sm_clock_mhz": mhz}
 
 
-class FixedSetting(System):
-    """One quantization level and one locked clock for the whole run, with the board limit
-    at the budget: the points the hindsight reference searches over. For the ceiling
-    study, optionally a second clock for decode-only steps and a decode pacing interval
-    (mechanisms of the engine model only)."""
-
-    name = "fixed"
-
-    def __init__(
-        self,
-        engine,
-        device,
-        clock,
-        budget_w: float,
-        level: str,
-        mhz: int,
-        decode_mhz: int | None = None,
-        decode_interval_ms: float = 0.0,
-    ) -> None:
-        super().__init__(engine, device, clock)
-        engine.set_quant_level(level)
-        device.lock_sm_clocks_mhz(mhz, mhz)
-        if decode_mhz is not None and decode_mhz != mhz:
-            engine.phase_clocks_mhz = (mhz, decode_mhz)
-        engine.set_limits(decode_interval_ms=decode_interval_ms)
-        self.set_budget_w(budget_w)
-
-    def set_budget_w(self, budget_w: float) -> None:
-        self.device.set_power_limit_w(budget_w)
-
-
 def best_static(
     scenario: Scenario,
     cal: Calibration,
@@ -118,33 +94,24 @@ def best_static(
     policy: Policy,
     levels: tuple[str, ...],
     start_level: str,
-    clocks_mhz: tuple[int, ...] = (345, 495, 645, 795, 945, 1095, 1245, 1395, 1680, 1980),
-) -> tuple[RunResult, str]:
-    """Hindsight reference, not a controller: every (level, clock) pair run on the same
-    arrivals; the one with the least J/token among those with >= 99 % attainment (else the
-    best attainment) and within the budget's limit. It knows the whole trace in advance."""
-    best: tuple[tuple, RunResult, str] | None = None
-    for level in levels:
-        for mhz in clocks_mhz:
-            res = run_model(
-                scenario,
-                f"fixed:{level}:{mhz}",
-                cal,
-                capacity_req_s,
-                mix,
-                policy,
-                levels,
-                start_level,
-            )
-            r = summarize(res, policy, scenario)
-            ok = (r["attainment_pct"] or 0) >= 99.0
-            key = (not ok, r["j_per_token"] if ok else -(r["attainment_pct"] or 0))
-            if best is None or key < best[0]:
-                best = (key, res, f"{level} @ {mhz} MHz")
-    assert best is not None
-    _, res, label = best
+) -> tuple[RunResult, OracleResult]:
+    """The hindsight oracle (daemon.sim.oracle), not a controller: the best static setting
+    of clock, batch caps, level and decode pacing, searched jointly on the same arrivals
+    over the levels the policy's quality limit allows and the controller's knob ranges.
+    It knows the whole trace in advance."""
+    allowed = allowed_quant_levels(
+        tuple(QuantOption(lv, cal.levels[lv].ppl_increase_pct) for lv in levels),
+        cal.full_precision,
+        policy.max_ppl_increase_pct,
+    )
+    space = default_space(
+        allowed,
+        VirtualGpuParams().sm_clock_ladder_mhz(),
+        block_size_tokens=cal.block_size_tokens,
+    )
+    found, res = find_oracle(scenario, cal, capacity_req_s, mix, policy, start_level, space)
     res.system = "best_static"
-    return res, label
+    return res, found
 
 
 def run_model(
@@ -221,5 +188,11 @@ def make_system(
                 f"system {name!r}: fixed:<level>:<MHz>[:<decode-only MHz>:<interval ms>]"
             )
         decode_mhz, interval_ms = (int(study[0]), float(study[1])) if study else (None, 0.0)
-        return FixedSetting(engine, device, clock, budget, level, int(mhz), decode_mhz, interval_ms)
+        setting = StaticSetting(
+            level,
+            int(mhz),
+            decode_interval_ms=interval_ms,
+            decode_clock_mhz=None if decode_mhz in (None, int(mhz)) else decode_mhz,
+        )
+        return StaticSystem(engine, device, clock, budget, setting)
     raise ValueError(f"unknown system {name!r}")

@@ -16,6 +16,11 @@ from typing import Any
 
 from daemon.sim.calibration import Calibration
 
+# The engine model's batch caps at the start of a run: the most the controller (and any
+# static setting) may use, since neither raises a cap above the engine's.
+DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+
 
 @dataclass
 class SimRequest:
@@ -58,7 +63,7 @@ class SimulatedEngine:
         self.shape = ModelShape(**cal.shape, rms_norm_eps=1e-5, max_position_embeddings=8192)
         self.kv = KVCacheManager(4096, cal.block_size_tokens)
         self.scheduler = Scheduler(self.kv)
-        self._limits = EngineLimits(64, 512)
+        self._limits = EngineLimits(DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_NUM_BATCHED_TOKENS)
         self._level = level
         self._quant_target = level
         self._prepared = {level}

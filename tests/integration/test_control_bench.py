@@ -4,6 +4,7 @@ metrics, the plots and the JSON line. Simulated seconds; no model, no torch step
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from types import SimpleNamespace
@@ -222,11 +223,15 @@ def test_bench_control_ceiling_reports_each_family(tmp_path, capsys):
         "150",
     )
     assert line["scenario"] == "steady60" and line["max_clock_j_per_token"] > 0
-    for fam in ("one_clock", "phase_clocks", "paced", "phase_clocks_paced"):
+    for fam in ("one_clock", "phase_clocks", "paced", "phase_clocks_paced", "oracle"):
         assert f"{fam}_saving_pct" in line
     # The top clock on bf16 meets the SLOs here, so the one-clock family has a setting,
     # and bf16 at a locked clock uses less energy than fp32 at max clock with no lock.
     assert line["one_clock_saving_pct"] is not None and line["one_clock_saving_pct"] > 0
+    # The oracle searches clock, caps, level and pacing jointly: it does at least as well
+    # as one clock, or one clock and pacing.
+    assert line["oracle_saving_pct"] >= line["one_clock_saving_pct"]
+    assert line["oracle_saving_pct"] >= line["paced_saving_pct"]
 
 
 def test_a_fixed_system_name_with_one_study_field_is_refused_by_name():
@@ -235,3 +240,119 @@ def test_a_fixed_system_name_with_one_study_field_is_refused_by_name():
     policy = Policy(power_budget_w=300.0, ttft_slo_ms=2000.0, tpot_slo_ms=400.0)
     with pytest.raises(ValueError, match="decode-only MHz"):
         make_system("fixed:bf16:645:345", None, None, None, policy, None, (), inline=True)
+
+
+def test_the_oracle_on_a_tiny_scenario_finds_the_exhaustive_best_and_beats_one_knob_baselines():
+    """A 40 s steady scenario on the made-up calibration with a tight TTFT SLO (500 ms),
+    so the lowest clocks miss it: the answer, known by running every setting of a small
+    space, is what the search finds in fewer runs; no static setting that turns one knob
+    away from the uncontrolled engine's does better."""
+    import itertools
+
+    from controller.policy import ControlMode, Policy
+    from daemon.sim.oracle import (
+        Axis,
+        SearchSpace,
+        StaticSetting,
+        rank_key,
+        scenario_evaluator,
+        search,
+    )
+    from daemon.sim.run import measure_capacity
+    from daemon.sim.scenarios import RequestMix, Scenario
+
+    cal, mix = _calibration(), RequestMix()
+    capacity = measure_capacity(cal, "fp32", mix, seconds=30.0)
+    policy = Policy(
+        power_budget_w=300.0, ttft_slo_ms=500.0, tpot_slo_ms=400.0, mode=ControlMode.AUTO
+    )
+    scenario = Scenario("tiny", 40.0, lambda t: 0.8, lambda t: 300.0, seed=3)
+    runs: dict[StaticSetting, dict] = {}
+    evaluate_run = scenario_evaluator(scenario, cal, capacity, mix, policy, "fp32")
+
+    def evaluate(s: StaticSetting) -> dict:
+        if s not in runs:
+            runs[s] = evaluate_run(s)
+        return runs[s]
+
+    values = {
+        "sm_clock_mhz": (345, 495, 645, 795, 945, 1245, 1980),
+        "max_num_seqs": (64,),
+        "max_num_batched_tokens": (128, 512),
+        "decode_interval_ms": (0.0, 100.0),
+        "decode_clock_mhz": (None,),
+    }
+    space = SearchSpace(("fp32", "bf16"), {a: Axis.of(v) for a, v in values.items()})
+    found = search(evaluate, space, policy.slo_percentile)
+    searched = len(runs)
+    every = [
+        StaticSetting(level, *combo[:4])
+        for level in space.levels
+        for combo in itertools.product(*values.values())
+    ]
+    assert searched == found.evaluated < len(every)
+
+    def key(s: StaticSetting) -> tuple:
+        return rank_key(evaluate(s), policy.slo_percentile)
+
+    best = min(every, key=key)
+    assert found.admissible and found.summary["attainment_pct"] >= 99.0
+    assert key(found.setting) == key(best)
+    # The SLO binds: the least J/token of all misses it.
+    cheapest = min(every, key=lambda s: runs[s]["j_per_token"])
+    assert runs[cheapest]["attainment_pct"] < 99.0
+    # One knob at a time, away from full precision, top clock, the engine's caps, no pacing.
+    uncontrolled = StaticSetting("fp32", 1980, 64, 512, 0.0)
+    single_knob = [dataclasses.replace(uncontrolled, level="bf16")] + [
+        dataclasses.replace(uncontrolled, **{axis: v}) for axis, vs in values.items() for v in vs
+    ]
+    admissible = [s for s in single_knob if key(s)[0] == 0]
+    assert len(admissible) >= 5
+    for s in admissible:
+        assert found.summary["j_per_token"] <= runs[s]["j_per_token"], s
+
+
+def test_bench_control_reports_the_oracle_per_scenario_and_in_the_bars(tmp_path, capsys):
+    line = _bench_json(
+        "control",
+        tmp_path,
+        capsys,
+        "--levels",
+        "fp32,bf16",
+        "--scenarios",
+        "steady60",
+        "--systems",
+        "controller,max_clock,best_static",
+        "--duration-s",
+        "30",
+        "--no-plots",
+    )
+    for key in (
+        "attainment_pct",
+        "energy_saving_vs_max_clock_pct",
+        "over_budget_pct",
+        "oracle_saving_vs_max_clock_pct",
+        "saving_vs_oracle_ratio",
+    ):
+        assert key in line, key
+    oracle = line["oracle"]["steady60"]
+    assert set(oracle["setting"]) >= {
+        "level",
+        "sm_clock_mhz",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "decode_interval_ms",
+    }
+    assert oracle["setting"]["level"] in ("fp32", "bf16")
+    row = line["per_scenario"]["steady60"]
+    # The oracle's run again is the same run: the table's row has its figures.
+    assert oracle["j_per_token"] == row["best_static"]["j_per_token"]
+    assert oracle["attainment_pct"] == row["best_static"]["attainment_pct"]
+    assert oracle["oracle_saving_vs_max_clock_pct"] == pytest.approx(
+        100 * (1 - oracle["j_per_token"] / row["max_clock"]["j_per_token"]), abs=0.01
+    )
+    assert oracle["oracle_saving_vs_max_clock_pct"] > 0
+    assert line["saving_vs_oracle_ratio"] == pytest.approx(
+        line["energy_saving_vs_max_clock_pct"] / oracle["oracle_saving_vs_max_clock_pct"],
+        abs=1e-3,
+    )
