@@ -14,12 +14,15 @@ top of the next engine step. No tensors and no HTTP formatting here.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from daemon.api.state import ServingState
 from daemon.engine.engine import Engine, Sink
 from daemon.engine.request import InvalidRequestError, RequestOutput, SamplingParams
 from daemon.request_events import FirstToken, RequestFinished
+
+log = logging.getLogger(__name__)
 
 
 class ClientGone(Exception):
@@ -43,7 +46,10 @@ class LoopDelivery:
 
 def _run_sinks(batch: list[tuple[Sink, RequestOutput]]) -> None:
     for sink, out in batch:
-        sink(out)
+        try:
+            sink(out)
+        except Exception:  # one request's failure must not cost the others their events
+            log.exception("request %s: its sink failed", out.request_id)
 
 
 def _deliver_on(engine: Engine, loop: asyncio.AbstractEventLoop) -> None:

@@ -226,8 +226,12 @@ def test_loop_delivery_crosses_to_the_loop_once_per_step():
 
         return sink
 
+    def broken(out: RequestOutput) -> None:
+        raise RuntimeError("a sink's bug")
+
     step = [
         (sink_for("a"), RequestOutput("a", [1], "x")),
+        (broken, RequestOutput("c", [9], "?")),  # costs the others nothing
         (sink_for("b"), RequestOutput("b", [2], "y")),
         (sink_for("a"), RequestOutput("a", [3], "z", finished=True)),
     ]
