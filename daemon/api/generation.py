@@ -14,15 +14,12 @@ top of the next engine step. No tensors and no HTTP formatting here.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 
 from daemon.api.state import ServingState
-from daemon.engine.engine import Engine, Sink
+from daemon.engine.engine import Engine, Sink, call_each
 from daemon.engine.request import InvalidRequestError, RequestOutput, SamplingParams
 from daemon.request_events import FirstToken, RequestFinished
-
-log = logging.getLogger(__name__)
 
 
 class ClientGone(Exception):
@@ -31,7 +28,8 @@ class ClientGone(Exception):
 
 class LoopDelivery:
     """The engine's delivery for requests served on one asyncio loop: a step's events
-    cross threads in one call_soon_threadsafe, and each sink then runs on the loop."""
+    cross threads in one call_soon_threadsafe, and the engine's call_each then runs each
+    sink on the loop (one failing sink costs the others nothing)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -39,17 +37,9 @@ class LoopDelivery:
     # Runs on the engine thread: it must never raise into the engine's step.
     def __call__(self, batch: list[tuple[Sink, RequestOutput]]) -> None:
         try:
-            self.loop.call_soon_threadsafe(_run_sinks, batch)
+            self.loop.call_soon_threadsafe(call_each, batch)
         except RuntimeError:
             pass  # the loop is closed: the process is exiting and nobody listens
-
-
-def _run_sinks(batch: list[tuple[Sink, RequestOutput]]) -> None:
-    for sink, out in batch:
-        try:
-            sink(out)
-        except Exception:  # one request's failure must not cost the others their events
-            log.exception("request %s: its sink failed", out.request_id)
 
 
 def _deliver_on(engine: Engine, loop: asyncio.AbstractEventLoop) -> None:

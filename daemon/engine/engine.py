@@ -50,7 +50,9 @@ Delivery = Callable[[list[tuple[Sink, RequestOutput]]], None]
 
 
 def call_each(batch: list[tuple[Sink, RequestOutput]]) -> None:
-    """The default delivery: each sink called in turn, here on the engine's thread."""
+    """Each sink called in turn on the calling thread; one that raises is logged and costs
+    the others nothing. The default delivery (on the engine's thread), and what the API's
+    delivery runs on its loop."""
     for sink, out in batch:
         try:
             sink(out)
