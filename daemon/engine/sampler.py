@@ -11,7 +11,7 @@ generator, so a seed still fixes a request's tokens whatever else shares its ste
 top-k is applied first, top-p and min-p to the probabilities renormalized over the top
 k. A row whose kept set could reach past its candidates (top-p or min-p on a flat
 distribution; 1 of 194 steps of the embedded model at temperature 0.8, top-p 0.9) is
-sampled alone over its whole sorted vocabulary (_sample_row), from the same distribution.
+drawn again by the same code with every token a candidate.
 It must not look at sequences, stop conditions or text.
 """
 
@@ -37,27 +37,6 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 _CANDIDATES = 256
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-    """logits: [V] float32 -> token id: one row over its whole sorted vocabulary."""
-    scaled = logits / p.temperature
-    if 0 < p.top_k < scaled.shape[0]:
-        values, indices = torch.topk(scaled, p.top_k)
-    else:
-        values, indices = torch.sort(scaled, descending=True)
-    probs = torch.softmax(values, dim=-1)
-    if p.top_p < 1.0:
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        cum = torch.cumsum(probs, dim=-1)
-        keep = (cum - probs) < p.top_p
-        keep[0] = True  # a top_p below float32 resolution still keeps the best token
-        probs = probs * keep
-    if p.min_p > 0.0:
-        # values are sorted: probs[0] is the top token's probability (always kept).
-        probs = probs * (probs >= p.min_p * probs[0])
-    choice = torch.multinomial(probs, 1, generator=gen)
-    return int(indices[choice])
-
-
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -67,8 +46,8 @@ def sample(
 
     A row fails only on NaN, +inf or nothing finite (a banned or grammar-masked token is a
     legitimate -inf). The whole batch, greedy and sampled rows, costs one device-to-host
-    read, and sampled rows one upload of their parameters (a row drawn over its whole
-    sorted vocabulary, rare, reads its own).
+    read, and sampled rows one upload of their parameters (rows drawn again over their whole
+    vocabulary, rare, cost one more of each).
     """
     n, vocab = logits.shape
     dev = logits.device
@@ -76,35 +55,53 @@ def sample(
     finite = torch.isfinite(logits.amax(dim=-1))
     tokens = logits.argmax(dim=-1)
     spills = torch.zeros(n, dtype=torch.long, device=dev)
-    sampled = [r for r, p in enumerate(params) if not p.greedy]
+    truncating = {r: _truncates(p, vocab) for r, p in enumerate(params) if not p.greedy}
     # plain-temperature rows first, then the truncating ones: each part a slice
-    rows = sorted(sampled, key=lambda r: _truncates(params[r], vocab))
+    rows = sorted(truncating, key=truncating.__getitem__)
     if rows:
-        table = torch.tensor(  # one upload: row, temperature, top_p, min_p, top_k (0: none)
-            [[r, *_row_params(params[r], vocab)] for r in rows], dtype=torch.float64, device=dev
-        )
-        idx = table.select(1, 0).long()
-        n_plain = sum(not _truncates(params[r], vocab) for r in rows)
-        drawn, spilled = _sample_rows(
-            logits.index_select(0, idx),
-            table.narrow(1, 1, 4),
-            n_plain,
-            max(int(params[r].top_k) if 0 < params[r].top_k < vocab else 0 for r in rows),
-            [generators[r] for r in rows],
-        )
+        n_plain = sum(not truncating[r] for r in rows)
+        idx, drawn, spilled = _draw_rows(logits, rows, n_plain, params, generators, _CANDIDATES)
         tokens = tokens.index_copy(0, idx, drawn)
         spills = spills.index_copy(0, idx, spilled.long())
     # -1 marks a row that fails; one read-back for the batch
     ids, spill_flags = torch.stack([torch.where(finite, tokens, -1), spills]).cpu().tolist()
-    out: list[int | None] = []
-    for row, (token, spill) in enumerate(zip(ids, spill_flags, strict=True)):
-        if token < 0:
-            out.append(None)
-        elif spill:
-            out.append(_sample_row(logits[row], params[row], generators[row]))
-        else:
-            out.append(token)
+    out: list[int | None] = [None if t < 0 else t for t in ids]
+    again = [
+        r for r, (t, spill) in enumerate(zip(ids, spill_flags, strict=True)) if spill and t >= 0
+    ]
+    if again:  # every token a candidate: nothing can spill
+        _, drawn, _ = _draw_rows(logits, again, 0, params, generators, vocab)
+        for row, token in zip(again, drawn.tolist(), strict=True):
+            out[row] = token
     return out
+
+
+def _draw_rows(
+    logits: torch.Tensor,
+    rows: list[int],
+    n_plain: int,
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+    candidates: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Upload `rows`' parameters (the first n_plain only scale by temperature) and draw
+    their tokens: (row indices, tokens, spilled), all on logits' device."""
+    vocab = logits.shape[1]
+    table = torch.tensor(  # one upload: row, temperature, top_p, min_p, top_k (0: none)
+        [[r, *_row_params(params[r], vocab)] for r in rows],
+        dtype=torch.float64,
+        device=logits.device,
+    )
+    idx = table.select(1, 0).long()
+    max_top_k = max(_row_params(params[r], vocab)[3] for r in rows)
+    drawn, spilled = _sample_rows(
+        logits.index_select(0, idx),
+        table.narrow(1, 1, 4),
+        n_plain,
+        max(candidates, max_top_k),
+        [generators[r] for r in rows],
+    )
+    return idx, drawn, spilled
 
 
 def _row_params(p: SamplingParams, vocab: int) -> tuple[float, float, float, int]:
@@ -119,14 +116,15 @@ def _sample_rows(
     logits: torch.Tensor,
     table: torch.Tensor,
     n_plain: int,
-    max_top_k: int,
+    candidates: int,
     generators: list[torch.Generator],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token for each row of logits [R, V] on their device; table [R, 4] holds
     each row's temperature, top_p, min_p and top_k (0: none). The first n_plain rows only
-    scale by their temperature; the others truncate. Returns (tokens [R], spilled [R]):
-    a spilled row's kept set could reach past its candidates, and its token is to be
-    drawn again over the whole vocabulary."""
+    scale by their temperature; the others truncate, each among its `candidates` most
+    likely tokens (at least its top_k). Returns (tokens [R], spilled [R]): a spilled row's
+    kept set could reach past its candidates, and its token is to be drawn again over the
+    whole vocabulary."""
     dev = logits.device
     r_all, vocab = logits.shape
     temps, top_p, min_p, top_k = (table.select(1, j) for j in range(4))
@@ -140,7 +138,7 @@ def _sample_rows(
     if n_trunc:
         sub = scaled.narrow(0, n_plain, n_trunc)
         k = top_k.narrow(0, n_plain, n_trunc).long()
-        n_cand = min(vocab, max(_CANDIDATES, max_top_k))
+        n_cand = min(vocab, candidates)
         values, indices = torch.topk(sub, n_cand, dim=-1)  # sorted, most likely first
         rank = torch.arange(n_cand, device=dev)
         has_k = k > 0
