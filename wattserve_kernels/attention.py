@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from wattserve_kernels.extension import load_cpu_kernels
+from wattserve_kernels.extension import kernels_take, load_cpu_kernels
 from wattserve_kernels.norm_rope import apply_rope
 
 
@@ -51,7 +51,7 @@ def rope_write_kv(
     store k and v at the tokens' slots, return q [T, H, D]. On the CPU one C++ pass
     (csrc/fused_rows.cpp) and q contiguous; elsewhere apply_rope and write_kv, and q a view
     (a copy of a CUDA tensor needs the CUDA library, which a fake-CUDA trace lacks)."""
-    if qkv.device.type == "cpu" and qkv.is_contiguous() and load_cpu_kernels():
+    if kernels_take(qkv):
         return torch.ops.wattserve.rope_write_kv(
             qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads
         )

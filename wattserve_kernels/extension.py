@@ -8,7 +8,8 @@ name carries a hash of the sources and headers, the compiler flags, the torch ve
 the CPU's flags, so a changed kernel or another processor gets its own build. Loading
 registers the ops under `torch.ops.wattserve`. Where the build fails (no compiler),
 `load_cpu_kernels()` returns False, says why once in the log, and callers take their
-plain-torch paths. It must not decide which path a step takes (attention.py does).
+plain-torch paths; kernels_take(x) says whether they can take a tensor. It must not
+decide which path a step takes (attention.py and norm_rope.py do).
 """
 
 from __future__ import annotations
@@ -83,6 +84,12 @@ def load_cpu_kernels() -> bool:
         return False
     _register_fake()
     return True
+
+
+def kernels_take(x: torch.Tensor) -> bool:
+    """Whether the C++ row kernels serve a call on x: a contiguous CPU tensor, and the
+    kernels built here."""
+    return x.device.type == "cpu" and x.is_contiguous() and load_cpu_kernels()
 
 
 def _register_fake() -> None:

@@ -11,16 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from wattserve_kernels.extension import load_cpu_kernels
-
-
-def _fused(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.is_contiguous() and load_cpu_kernels()
+from wattserve_kernels.extension import kernels_take
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [T, hidden] -> [T, hidden]."""
-    if _fused(x):
+    if kernels_take(x):
         return torch.ops.wattserve.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
@@ -29,7 +25,7 @@ def add_rms_norm(
     residual: torch.Tensor, addend: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """residual += addend (in place), then rms_norm(residual): both [T, hidden]."""
-    if _fused(residual) and addend.is_contiguous():
+    if kernels_take(residual) and addend.is_contiguous():
         return torch.ops.wattserve.add_rms_norm(residual, addend, weight, eps)
     residual.add_(addend)
     return F.rms_norm(residual, (residual.shape[-1],), weight, eps)
@@ -37,7 +33,7 @@ def add_rms_norm(
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [T, 2 * inter], gate then up -> silu(gate) * up, [T, inter]."""
-    if _fused(gate_up):
+    if kernels_take(gate_up):
         return torch.ops.wattserve.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
