@@ -18,9 +18,9 @@ from typing import Any
 from bench.control_systems import make_system
 from controller.policy import ControlMode, Policy
 from daemon.sim.calibration import Calibration, LevelFit, fit_steps
-from daemon.sim.run import RunResult, Sample, energy_sample, power_sample
+from daemon.sim.run import RunResult, Sample, decision_reasons, energy_sample, power_sample
 from daemon.sim.scenarios import RequestMix, Scenario, arrivals, prompt_tokens
-from daemon.sim.systems import PERIOD_S, Controlled
+from daemon.sim.systems import PERIOD_S
 
 
 def calibrate(model: str, levels: tuple[str, ...], dtype: str, threads: int | None) -> Calibration:
@@ -333,9 +333,6 @@ def run_real(
     requests = [(r[0] - t_start, r[1], r[2], r[3]) for r in records.values()]
     for j in range(i, len(todo)):
         requests.append((todo[j][0], None, None, 0))
-    reasons = {}
-    if isinstance(system, Controlled):
-        reasons = {k: v for k, v in system.loop.controller.counters.decisions.items() if v}
     return RunResult(
         scenario=scenario.name,
         system=system.name,
@@ -345,5 +342,5 @@ def run_real(
         output_tokens=engine.counters.generation_tokens,
         duration_s=samples[-1].t_s if samples else 0.0,
         knob_changes=system.knob_changes,
-        reasons=reasons,
+        reasons=decision_reasons(system),
     )

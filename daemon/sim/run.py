@@ -194,9 +194,6 @@ def _run(
     requests = []
     for r in reqs:
         requests.append((r.arrival_s, r.ttft_s, r.tpot_s if r.finish_s else None, r.generated))
-    reasons = {}
-    if isinstance(system, Controlled):
-        reasons = {k: v for k, v in system.loop.controller.counters.decisions.items() if v}
     return RunResult(
         scenario=scenario.name,
         system=system.name,
@@ -206,8 +203,15 @@ def _run(
         output_tokens=engine.counters.generation_tokens,
         duration_s=last[0],
         knob_changes=system.knob_changes,
-        reasons=reasons,
+        reasons=decision_reasons(system),
     )
+
+
+def decision_reasons(system: System) -> dict[str, int]:
+    """A controlled system's decision counts by reason (none zero); {} for a baseline."""
+    if not isinstance(system, Controlled):
+        return {}
+    return {k: v for k, v in system.loop.controller.counters.decisions.items() if v}
 
 
 def measure_capacity(
