@@ -87,13 +87,11 @@ def _draw_rows(
     """Upload `rows`' parameters (the first n_plain only scale by temperature) and draw
     their tokens: (row indices, tokens, spilled), all on logits' device."""
     vocab = logits.shape[1]
-    table = torch.tensor(  # one upload: row, temperature, top_p, min_p, top_k (0: none)
-        [[r, *_row_params(params[r], vocab)] for r in rows],
-        dtype=torch.float64,
-        device=logits.device,
-    )
+    host = [[r, *_row_params(params[r], vocab)] for r in rows]
+    # one upload: row, temperature, top_p, min_p, top_k (0: none)
+    table = torch.tensor(host, dtype=torch.float64, device=logits.device)
     idx = table.select(1, 0).long()
-    max_top_k = max(_row_params(params[r], vocab)[3] for r in rows)
+    max_top_k = max(int(row[4]) for row in host)
     drawn, spilled = _sample_rows(
         logits.index_select(0, idx),
         table.narrow(1, 1, 4),
