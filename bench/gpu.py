@@ -307,9 +307,10 @@ def decode_tok_s(engine, prompts: list[list[int]], new_tokens: int) -> float:
 
 def cb_config(hf_model, kv_cache_bytes: int, max_batch_tokens: int):
     """transformers' ContinuousBatchingConfig with our engine's KV pool size and batched-token
-    cap. auto_switch_to_flash off: with `kernels` installed it would fetch flash attention
-    from the hub, and nothing here downloads; the model keeps the attention it was loaded
-    with (SDPA), as HF `generate` does."""
+    cap, and no prefix sharing (the engines timed here run without prefix caching; the
+    batch repeats prompts). auto_switch_to_flash off: with `kernels` installed it would
+    fetch flash attention from the hub, and nothing here downloads; the model keeps the
+    attention it was loaded with (SDPA), as HF `generate` does."""
     from transformers import ContinuousBatchingConfig
 
     c = hf_model.config
@@ -320,6 +321,7 @@ def cb_config(hf_model, kv_cache_bytes: int, max_batch_tokens: int):
     return ContinuousBatchingConfig(
         num_blocks=max(1, kv_cache_bytes // block_bytes),
         max_batch_tokens=max_batch_tokens,
+        allow_block_sharing=False,
         auto_switch_to_flash=False,
     )
 
@@ -504,6 +506,7 @@ def _run(args: argparse.Namespace, target: Target | None) -> int:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "skipped": {},
+        "errors": {},  # parts of a section that failed while the rest of it ran
         "seconds_per_section": {},
     }
     if target.nvml_skipped:
@@ -516,7 +519,7 @@ def _run(args: argparse.Namespace, target: Target | None) -> int:
         (f"smollm2_{d}", lambda d=d: _smollm2(d, target, args, report))
         for d in ("bfloat16", "float32")
     ]
-    sections.append(("llama_1b_shaped", lambda: _llama_1b_shaped(target, args)))
+    sections.append(("llama_1b_shaped", lambda: _llama_1b_shaped(target, args, report)))
     for name, fn in sections:
         if time.perf_counter() - t_start > args.max_seconds:
             report["skipped"][name] = f"--max-seconds {args.max_seconds} spent"
@@ -530,6 +533,18 @@ def _run(args: argparse.Namespace, target: Target | None) -> int:
     report["doc"] = str(path)
     print(json.dumps(report))
     return 0 if report["ok"] else 1
+
+
+def _part(report: dict, where: str, fn):
+    """fn(), or None when it raised: the error goes to report["errors"][where] and the
+    run counts as failed, while the rest of its section still runs."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - reported, and the section goes on
+        traceback.print_exc()
+        report["errors"][where] = f"{type(e).__name__}: {e}"
+        report["ok"] = False
+        return None
 
 
 def _section(report: dict, name: str, fn) -> None:
@@ -551,7 +566,7 @@ def _smollm2(dtype_name: str, target: Target, args, report: dict) -> dict:
     roofline; in bf16 also power at three loads and a serving run."""
     from bench.engine import single_stream_ours
 
-    device = target.device
+    name, device = f"smollm2_{dtype_name}", target.device
     loaded = load_smollm2(dtype_name, target)
     prompts = prompts_for(loaded.tokenizer, args.prompts)
     hf = loaded.hf_model
@@ -576,19 +591,21 @@ def _smollm2(dtype_name: str, target: Target, args, report: dict) -> dict:
             del eng
     out["bs1_decode_tok_s_graphs_on"] = _r(bs1[True], 1)
     out["bs1_decode_tok_s_graphs_off"] = _r(bs1[False], 1)
-    out.update(_hf_peers(hf, prompts[0], batch_prompts, args, device))
+    out.update(_hf_peers(hf, prompts[0], batch_prompts, args, device, report, name))
     out["ratio_vs_hf_continuous_batching"] = _ratio(
         out[f"batch{args.batch}_tok_s_graphs_on"], out["hf_continuous_batching_tok_s"]
     )
     out.update(_roofline(engine.model.weight_bytes(), bs1[True], target.peak_bw))
     if dtype_name == "bfloat16":
-        report["power"] = _power_loads(target, engine, prompts, args)
+        report["power"] = _part(
+            report, "power", lambda: _power_loads(target, engine, prompts, args)
+        )
         del engine
-        out["serving"] = _serving(loaded, target, args)
+        out["serving"] = _part(report, f"{name}.serving", lambda: _serving(loaded, target, args))
     return out
 
 
-def _hf_peers(hf, prompt: list[int], batch_prompts: list[list[int]], args, device) -> dict:
+def _hf_peers(hf, prompt, batch_prompts, args, device, report: dict, name: str) -> dict:
     """HF `generate` at bs1 and transformers' continuous batching on the batch: same
     prompts, new tokens, dtype and KV pool size as ours."""
     hf_greedy(hf, [prompt], 4, device)  # warm-up
@@ -596,9 +613,13 @@ def _hf_peers(hf, prompt: list[int], batch_prompts: list[list[int]], args, devic
     hf_greedy(hf, [prompt], args.decode_tokens, device)
     bs1 = args.decode_tokens / (time.perf_counter() - t0)
     kv_bytes = int(args.kv_cache_gib * 2**30)
-    cfg = cb_config(hf, kv_bytes, MAX_BATCHED_TOKENS)
-    cb = hf_cb_tok_s(hf, batch_prompts, args.decode_tokens, cfg)
-    return {"hf_generate_bs1_tok_s": _r(bs1, 1), "hf_continuous_batching_tok_s": _r(cb, 1)}
+
+    def cb() -> float:
+        config = cb_config(hf, kv_bytes, MAX_BATCHED_TOKENS)
+        return hf_cb_tok_s(hf, batch_prompts, args.decode_tokens, config)
+
+    cb_tok_s = _part(report, f"{name}.hf_continuous_batching", cb)
+    return {"hf_generate_bs1_tok_s": _r(bs1, 1), "hf_continuous_batching_tok_s": _r(cb_tok_s, 1)}
 
 
 def _roofline(step_bytes: int, tok_s: float, peak_bw: float | None) -> dict:
@@ -611,7 +632,7 @@ def _roofline(step_bytes: int, tok_s: float, peak_bw: float | None) -> dict:
     return out
 
 
-def _llama_1b_shaped(target: Target, args) -> dict:
+def _llama_1b_shaped(target: Target, args, report: dict) -> dict:
     """A random-weight model with Llama-3.2-1B's layer shapes (seeded, nothing downloaded;
     SmolLM2's 49,152-token vocabulary so that its tokenizer detokenizes the output): bs1
     decode at every quantization level the GPU runs, against the roofline; then in bf16
@@ -649,9 +670,14 @@ def _llama_1b_shaped(target: Target, args) -> dict:
     ours = decode_tok_s(engine, batch_prompts, args.decode_tokens)
     del engine
     out[f"bf16_batch{args.batch}_tok_s"] = _r(ours, 1)
-    out.update(_hf_peers(loaded.hf_model, prompts[0], batch_prompts, args, target.device))
+    peers = _hf_peers(
+        loaded.hf_model, prompts[0], batch_prompts, args, target.device, report, "llama_1b_shaped"
+    )
+    out.update(peers)
     out["ratio_vs_hf_continuous_batching"] = _ratio(ours, out["hf_continuous_batching_tok_s"])
-    out["serving"] = _serving(loaded, target, args)
+    out["serving"] = _part(
+        report, "llama_1b_shaped.serving", lambda: _serving(loaded, target, args)
+    )
     return out
 
 
@@ -794,6 +820,7 @@ def _write_doc(report: dict, args: argparse.Namespace) -> Path:
     ]
     lines += [f"| {k} | {v} |" for k, v in _flat(report.get("power", {}))]
     lines += ["", f"Skipped: {report['skipped'] or 'nothing'}", ""]
+    lines += [f"Failed parts: {report['errors'] or 'none'}", ""]
     lines += [f"Seconds per section: {report['seconds_per_section']}", ""]
     path.write_text("\n".join(lines))
     return path

@@ -63,7 +63,7 @@ def test_the_cpu_dry_run_goes_through_every_section(tmp_path, cache_dir, capsys,
     out, _ = capsys.readouterr()
     report = json.loads(out.strip().splitlines()[-1])
     failed = {k: v["error"] for k, v in report.items() if isinstance(v, dict) and "error" in v}
-    assert rc == 0 and report["ok"], failed
+    assert rc == 0 and report["ok"] and report["errors"] == {}, (failed, report["errors"])
     assert report["dry_run_cpu"] is True and "no NVML" in report["skipped"]["nvml"]
     for name in ("smollm2_bfloat16", "smollm2_float32", "llama_1b_shaped"):
         section = report[name]
@@ -113,3 +113,17 @@ def test_the_prediction_prices_busy_and_idle_time_with_the_virtual_gpu_model():
     assert half["predicted_w_mean"] == round((busy_w + power_w(p, 1500, 50.0, None)) / 2, 2)
     no_nvml = gpu.predict_power([], 1.0, None, None)
     assert no_nvml["sm_clock_mhz"] == p.sm_clock_max_mhz
+
+
+def test_a_failed_part_is_reported_and_fails_the_run_without_stopping_it():
+    report = {"ok": True, "errors": {}}
+
+    def boom():
+        raise RuntimeError("CB needs more memory")
+
+    assert gpu._part(report, "smollm2_bfloat16.hf_continuous_batching", boom) is None
+    assert gpu._part(report, "power", lambda: {"idle": {}}) == {"idle": {}}
+    assert report == {
+        "ok": False,
+        "errors": {"smollm2_bfloat16.hf_continuous_batching": "RuntimeError: CB needs more memory"},
+    }
