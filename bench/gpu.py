@@ -496,6 +496,7 @@ def _gpu_header(target: Target) -> dict:
 
 def _run(args: argparse.Namespace, target: Target | None) -> int:
     t_start = time.perf_counter()
+    args.deadline_s = t_start + args.max_seconds
     target = target or _gpu_target(args)
     report: dict = {
         "bench": "gpu",
@@ -521,7 +522,7 @@ def _run(args: argparse.Namespace, target: Target | None) -> int:
     ]
     sections.append(("llama_1b_shaped", lambda: _llama_1b_shaped(target, args, report)))
     for name, fn in sections:
-        if time.perf_counter() - t_start > args.max_seconds:
+        if time.perf_counter() > args.deadline_s:
             report["skipped"][name] = f"--max-seconds {args.max_seconds} spent"
             report["ok"] = False
             continue
@@ -535,9 +536,14 @@ def _run(args: argparse.Namespace, target: Target | None) -> int:
     return 0 if report["ok"] else 1
 
 
-def _part(report: dict, where: str, fn):
-    """fn(), or None when it raised: the error goes to report["errors"][where] and the
-    run counts as failed, while the rest of its section still runs."""
+def _part(report: dict, where: str, fn, args: argparse.Namespace):
+    """fn(), or None when it raised (the error goes to report["errors"][where]) or when
+    --max-seconds is spent (skipped); either way the run counts as failed, while the rest
+    of its section still runs."""
+    if time.perf_counter() > args.deadline_s:
+        report["skipped"][where] = f"--max-seconds {args.max_seconds} spent"
+        report["ok"] = False
+        return None
     try:
         return fn()
     except Exception as e:  # noqa: BLE001 - reported, and the section goes on
@@ -598,10 +604,11 @@ def _smollm2(dtype_name: str, target: Target, args, report: dict) -> dict:
     out.update(_roofline(engine.model.weight_bytes(), bs1[True], target.peak_bw))
     if dtype_name == "bfloat16":
         report["power"] = _part(
-            report, "power", lambda: _power_loads(target, engine, prompts, args)
+            report, "power", lambda: _power_loads(target, engine, prompts, args), args
         )
         del engine
-        out["serving"] = _part(report, f"{name}.serving", lambda: _serving(loaded, target, args))
+        serve = functools.partial(_serving, loaded, target, args)
+        out["serving"] = _part(report, f"{name}.serving", serve, args)
     return out
 
 
@@ -618,7 +625,7 @@ def _hf_peers(hf, prompt, batch_prompts, args, device, report: dict, name: str) 
         config = cb_config(hf, kv_bytes, MAX_BATCHED_TOKENS)
         return hf_cb_tok_s(hf, batch_prompts, args.decode_tokens, config)
 
-    cb_tok_s = _part(report, f"{name}.hf_continuous_batching", cb)
+    cb_tok_s = _part(report, f"{name}.hf_continuous_batching", cb, args)
     return {"hf_generate_bs1_tok_s": _r(bs1, 1), "hf_continuous_batching_tok_s": _r(cb_tok_s, 1)}
 
 
@@ -675,9 +682,8 @@ def _llama_1b_shaped(target: Target, args, report: dict) -> dict:
     )
     out.update(peers)
     out["ratio_vs_hf_continuous_batching"] = _ratio(ours, out["hf_continuous_batching_tok_s"])
-    out["serving"] = _part(
-        report, "llama_1b_shaped.serving", lambda: _serving(loaded, target, args)
-    )
+    serve = functools.partial(_serving, loaded, target, args)
+    out["serving"] = _part(report, "llama_1b_shaped.serving", serve, args)
     return out
 
 

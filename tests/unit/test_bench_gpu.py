@@ -5,6 +5,7 @@ that needs no NVML (a tiny random model, tiny sizes); the measuring part needs a
 from __future__ import annotations
 
 import json
+import math
 import sys
 import types
 from pathlib import Path
@@ -116,14 +117,20 @@ def test_the_prediction_prices_busy_and_idle_time_with_the_virtual_gpu_model():
 
 
 def test_a_failed_part_is_reported_and_fails_the_run_without_stopping_it():
-    report = {"ok": True, "errors": {}}
+    report = {"ok": True, "errors": {}, "skipped": {}}
+    args = types.SimpleNamespace(deadline_s=math.inf, max_seconds=450.0)
 
     def boom():
         raise RuntimeError("CB needs more memory")
 
-    assert gpu._part(report, "smollm2_bfloat16.hf_continuous_batching", boom) is None
-    assert gpu._part(report, "power", lambda: {"idle": {}}) == {"idle": {}}
+    assert gpu._part(report, "smollm2_bfloat16.hf_continuous_batching", boom, args) is None
+    assert gpu._part(report, "power", lambda: {"idle": {}}, args) == {"idle": {}}
     assert report == {
         "ok": False,
         "errors": {"smollm2_bfloat16.hf_continuous_batching": "RuntimeError: CB needs more memory"},
+        "skipped": {},
     }
+    args.deadline_s = -math.inf  # the time budget is spent: the part does not run
+    assert gpu._part(report, "llama_1b_shaped.serving", boom, args) is None
+    assert report["skipped"] == {"llama_1b_shaped.serving": "--max-seconds 450.0 spent"}
+    assert "llama_1b_shaped.serving" not in report["errors"]
