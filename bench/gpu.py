@@ -151,6 +151,14 @@ class PowerRecorder:
             self.samples.append(self.backend.read())
             self._stop.wait(self.period_s)
 
+    def readings(self) -> list[tuple[float, float, float]]:
+        """(time, SM clock MHz, die temperature C) of each sample that has both."""
+        return [
+            (s.timestamp_s, s.sm_clock_mhz, s.gpu_temp_c)
+            for s in self.samples
+            if s.sm_clock_mhz is not None and s.gpu_temp_c is not None
+        ]
+
     def summary(self) -> dict:
         powers = [s.power_w for s in self.samples if s.power_w is not None]
         energy = [s.energy_j for s in self.samples if s.energy_j is not None]
@@ -196,7 +204,8 @@ def hbm_peak_bytes_per_s(gpu_selector: str) -> float | None:
 
 
 class StepLog:
-    """An engine step hook that keeps each step's EngineActivity while recording."""
+    """An engine step hook that keeps (start time, EngineActivity) of each step while
+    recording; the start is time.monotonic(), the clock NVML readings carry."""
 
     def __init__(self, engine) -> None:
         from daemon.coupling import step_activity
@@ -208,7 +217,7 @@ class StepLog:
 
     def _hook(self, stats) -> None:
         if self._recording:
-            self.steps.append(self._activity(stats))
+            self.steps.append((stats.started_at_s, self._activity(stats)))
 
     @contextlib.contextmanager
     def record(self):
@@ -220,34 +229,51 @@ class StepLog:
             self._recording = False
 
 
-def predict_power(
-    steps: list, window_s: float, sm_clock_mhz: float | None, gpu_temp_c: float | None
-) -> dict:
+def predict_power(steps: list, window_s: float, readings: list) -> dict:
     """The virtual GPU's power model (daemon/device/virtual.py, default H200 parameters) on
-    the same engine activity: each step at its compute share (from its FLOPs and bytes) for
-    its duration, the rest of the window idle with a context open; at the SM clock and die
-    temperature NVML read (the model's top clock and reference temperature where none)."""
+    the same engine activity. steps: (start, EngineActivity) pairs, each priced at its
+    compute share (from its FLOPs and bytes) for its duration, at the SM clock and die
+    temperature of the last NVML reading before it started; readings: (time, SM clock MHz,
+    die temperature C) from NVML. The rest of the window is idle with a context open, at
+    the readings' mean clock and temperature; without readings, the model's top clock and
+    reference temperature throughout."""
+    from bisect import bisect_right
+
     from daemon.device.virtual import VirtualGpuParams, compute_fraction, power_w
 
     p = VirtualGpuParams()
-    clock = sm_clock_mhz or p.sm_clock_max_mhz
-    temp = p.leakage_ref_temp_c if gpu_temp_c is None else gpu_temp_c
-    busy_s = sum(a.step_duration_s for a in steps)
+    times = [t for t, _, _ in readings]
+    if readings:
+        idle_clock = statistics.fmean(c for _, c, _ in readings)
+        idle_temp = statistics.fmean(c for _, _, c in readings)
+    else:
+        idle_clock, idle_temp = p.sm_clock_max_mhz, p.leakage_ref_temp_c
+
+    def at(start_s: float) -> tuple[float, float]:
+        if not readings:
+            return idle_clock, idle_temp
+        _, clock, temp = readings[max(bisect_right(times, start_s) - 1, 0)]
+        return clock, temp
+
+    busy_s = sum(a.step_duration_s for _, a in steps)
     window_s = max(window_s, busy_s)
-    energy_j = sum(
-        power_w(p, clock, temp, compute_fraction(p, a)) * a.step_duration_s for a in steps
-    )
-    energy_j += power_w(p, clock, temp, None) * (window_s - busy_s)
-    fractions = [compute_fraction(p, a) for a in steps]
+    energy_j, busy_clocks, fractions = 0.0, [], []
+    for start_s, a in steps:
+        clock, temp = at(start_s)
+        fraction = compute_fraction(p, a)
+        energy_j += power_w(p, clock, temp, fraction) * a.step_duration_s
+        busy_clocks.append(clock)
+        fractions.append(fraction)
+    idle_w = power_w(p, idle_clock, idle_temp, None)
+    energy_j += idle_w * (window_s - busy_s)
     return {
         "profile": p.name,
-        "sm_clock_mhz": clock,
-        "gpu_temp_c": temp,
+        "sm_clock_mhz_idle": _r(idle_clock, 0),
+        "sm_clock_mhz_busy_mean": _r(statistics.fmean(busy_clocks), 0) if steps else None,
+        "gpu_temp_c": _r(idle_temp, 1),
         "busy_fraction": _r(busy_s / window_s, 3) if window_s > 0 else 0.0,
         "mean_compute_fraction": _r(statistics.fmean(fractions), 3) if fractions else 0.0,
-        "predicted_w_mean": _r(
-            energy_j / window_s if window_s > 0 else power_w(p, clock, temp, None)
-        ),
+        "predicted_w_mean": _r(energy_j / window_s if window_s > 0 else idle_w),
     }
 
 
@@ -695,7 +721,7 @@ def _power_loads(target: Target, engine, prompts, args) -> dict:
     log = StepLog(engine)
     loads = {}
     for name, batch in (("idle", 0), ("bs1", 1), (f"batch{args.batch}", args.batch)):
-        params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
         rng = random.Random(batch)
         produced = 0
         recorder = PowerRecorder(target.backend) if target.backend else contextlib.nullcontext()
@@ -712,13 +738,11 @@ def _power_loads(target: Target, engine, prompts, args) -> dict:
         s["tok_s"] = _r(produced / window_s, 1)
         s["steps"] = len(steps)
         s["mean_decode_batch"] = (
-            _r(statistics.fmean(a.decode_tokens for a in steps), 2) if steps else 0.0
+            _r(statistics.fmean(a.decode_tokens for _, a in steps), 2) if steps else 0.0
         )
         if s.get("energy_j"):
             s["j_per_token"] = _r(s["energy_j"] / max(produced, 1), 4)
-        s["virtual_gpu"] = predict_power(
-            steps, window_s, s.get("sm_clock_mhz_mean"), s.get("gpu_temp_c_mean")
-        )
+        s["virtual_gpu"] = predict_power(steps, window_s, rec.readings() if rec else [])
         s["predicted_over_measured"] = _ratio(
             s["virtual_gpu"]["predicted_w_mean"], s.get("power_w_mean")
         )

@@ -106,14 +106,19 @@ def test_the_prediction_prices_busy_and_idle_time_with_the_virtual_gpu_model():
 
     p = VirtualGpuParams()
     step = EngineActivity(step_duration_s=0.5, decode_tokens=8, weight_bytes_read=10**9, flops=4e12)
-    idle = gpu.predict_power([], 2.0, 1500, 50.0)
-    assert idle["predicted_w_mean"] == round(power_w(p, 1500, 50.0, None), 2)
-    half = gpu.predict_power([step], 1.0, 1500, 50.0)
     busy_w = power_w(p, 1500, 50.0, compute_fraction(p, step))
-    assert half["busy_fraction"] == 0.5
+    idle = gpu.predict_power([], 2.0, [(10.0, 900, 40.0), (10.1, 1500, 60.0)])
+    assert idle["predicted_w_mean"] == round(power_w(p, 1200, 50.0, None), 2)
+    # The step takes the clock and temperature read last before it started (1500 MHz,
+    # 50 C), the idle half of the window their mean (1500 MHz, 50 C here).
+    readings = [(10.0, 1500, 50.0), (10.4, 1500, 50.0), (11.0, 345, 30.0)]
+    half = gpu.predict_power([(10.5, step)], 1.0, readings[:2])
+    assert half["busy_fraction"] == 0.5 and half["sm_clock_mhz_busy_mean"] == 1500
     assert half["predicted_w_mean"] == round((busy_w + power_w(p, 1500, 50.0, None)) / 2, 2)
-    no_nvml = gpu.predict_power([], 1.0, None, None)
-    assert no_nvml["sm_clock_mhz"] == p.sm_clock_max_mhz
+    whole = gpu.predict_power([(10.5, step)], 0.5, readings)
+    assert whole["predicted_w_mean"] == round(busy_w, 2)  # busy all window: idle clock unused
+    no_nvml = gpu.predict_power([(0.0, step)], 0.5, [])
+    assert no_nvml["sm_clock_mhz_busy_mean"] == p.sm_clock_max_mhz
 
 
 def test_a_failed_part_is_reported_and_fails_the_run_without_stopping_it():
