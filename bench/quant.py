@@ -6,14 +6,17 @@ installation ships (read at run time and named in the output; nothing is downloa
 kept in the repo), greedy agreement with the full-precision level over 32 prompts x 64
 tokens, prefill tok/s (the perplexity passes, 512 tokens each), decode tok/s
 single-stream and at batch 16 (levels interleaved over rounds, best round kept), and
-the level's weight bytes. The table is saved in the cache directory, where the daemon
-reads it for the controller (daemon/quant_table.py stores and reads it); the last line
-printed is one JSON object. This module's top level imports no torch.
+the level's weight bytes. With --prompts-file, also each level's accuracy on a
+multiple-choice file, served through the daemon's HTTP API and scored by
+lm-evaluation-harness (bench/quant_accuracy.py). The table is saved in the cache
+directory, where the daemon reads it for the controller (daemon/quant_table.py stores and
+reads it); the last line printed is one JSON object. This module's top level imports no torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import sys
@@ -21,6 +24,12 @@ import sysconfig
 import time
 from pathlib import Path
 
+from bench.quant_accuracy import (
+    EXAMPLE_PROMPTS_FILE,
+    PromptsFileError,
+    accuracy_by_level,
+    read_prompts_file,
+)
 from daemon.quant_table import QUALITY_TABLE_VERSION, quality_table_path, save_quality_table
 
 DEFAULT_LEVELS = ("fp32", "bf16", "int8", "int4", "int4-g128")
@@ -168,15 +177,7 @@ def _params(n: int):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    import torch
-
-    from bench.engine import make_workload
-    from daemon.config import default_cache_dir
-    from daemon.engine.engine import Engine, EngineOptions
-    from daemon.engine.loader import load_model
-    from wattserve_kernels.quant import full_precision_level
-
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="wattserve bench quant", description=__doc__)
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -189,15 +190,105 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved speed rounds")
     ap.add_argument("--no-save", action="store_true", help="do not write the quality table")
-    args = ap.parse_args(argv)
+    ap.add_argument(
+        "--prompts-file",
+        type=Path,
+        nargs="?",
+        const=EXAMPLE_PROMPTS_FILE,
+        default=None,
+        metavar="JSONL",
+        help="multiple-choice items to score each level on through the HTTP API "
+        "(docs/quant.md); without a path, the example shipped in bench/data",
+    )
+    ap.add_argument(
+        "--accuracy-only",
+        action="store_true",
+        help="with --prompts-file: only the accuracy pass (no perplexity, greedy or speed "
+        "measurements; no table saved)",
+    )
+    return ap
+
+
+def _error(message: str) -> int:
+    print(f"wattserve bench quant: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from daemon.config import default_cache_dir
+    from wattserve_kernels.quant import full_precision_level
+
+    args = build_parser().parse_args(argv)
+    items = None
+    if args.accuracy_only and args.prompts_file is None:
+        return _error("--accuracy-only needs --prompts-file")
+    if args.prompts_file is not None:
+        try:
+            items = read_prompts_file(args.prompts_file)
+        except PromptsFileError as e:
+            return _error(str(e))
+        if importlib.util.find_spec("lm_eval") is None:
+            return _error(
+                "--prompts-file needs lm-evaluation-harness: pip install 'wattserve[bench]'"
+            )
     if args.threads:
         torch.set_num_threads(args.threads)
 
     cache_dir = default_cache_dir()
+    full = full_precision_level(getattr(torch, args.dtype))
+    levels = [full] + [lv for lv in args.levels.split(",") if lv and lv != full]
+    if args.accuracy_only:
+        table = {
+            "model": args.model,
+            "full_precision": full,
+            "dtype": args.dtype,
+            "threads": torch.get_num_threads(),
+        }
+    else:
+        table = levels_table(args, cache_dir, levels)  # its engine is freed on return
+    if items is not None:
+        from bench.serve import model_directory
+
+        t0 = time.perf_counter()
+        served, accuracy = accuracy_by_level(
+            items,
+            levels,
+            args.model,
+            model_directory(args.model, cache_dir),
+            args.dtype,
+            torch.get_num_threads(),
+            log=lambda line: print(line, flush=True),
+        )
+        if args.accuracy_only:
+            table["model"] = served  # the name the server gives the model
+        table["accuracy"] = {
+            "prompts_file": str(args.prompts_file),
+            "items": len(items),
+            "reference_level": levels[0],
+            "levels": accuracy,
+            "elapsed_s": round(time.perf_counter() - t0, 1),  # server start included
+        }
+    if not (args.no_save or args.accuracy_only):
+        path = quality_table_path(cache_dir, table["model"])
+        save_quality_table(path, table)
+        table["table_path"] = str(path)
+    print(json.dumps(table))
+    return 0
+
+
+def levels_table(args: argparse.Namespace, cache_dir: Path, levels: list[str]) -> dict:
+    """The speed and quality table of `levels` (the full-precision level first)."""
+    import torch
+
+    from bench.engine import make_workload
+    from daemon.engine.engine import Engine, EngineOptions
+    from daemon.engine.loader import load_model
+
     loaded = load_model(args.model, cache_dir, args.dtype)
     tok = loaded.tokenizer
-    full = full_precision_level(loaded.dtype)
-    levels = [full] + [lv for lv in args.levels.split(",") if lv and lv != full]
+    full = levels[0]
     text_path = args.text or eval_text_file()
     ppl_ids = tok.encode(text_path.read_text(errors="replace"), add_special_tokens=False)
     ppl_ids = ppl_ids[: args.ppl_tokens] if args.ppl_tokens else ppl_ids
@@ -262,12 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "levels": rows,
     }
-    if not args.no_save:
-        path = quality_table_path(cache_dir, loaded.name)
-        save_quality_table(path, table)
-        table["table_path"] = str(path)
-    print(json.dumps(table))
-    return 0
+    return table
 
 
 if __name__ == "__main__":

@@ -15,10 +15,12 @@ workload against it; with --vs-vllm likewise vLLM's CPU build (`vllm serve`, ins
 first use into a venv of its own under the cache, bench/vllm_peer.py). --saturate (implied
 by --vs-vllm) adds a second pass on each server with other prompts of the same shape all
 sent at once: its output tok/s is the throughput at saturation. The servers run one after
-the other, never together, so neither steals the other's cores. The last line printed is
-one JSON object. Greedy decoding and no ignore_eos (transformers serve has no such
-option), so every server is asked for exactly the same thing. For a caller that builds
-its own engine (`bench gpu`, on a GPU), in_process_daemon runs the same daemon in-process.
+the other, never together, so neither steals the other's cores. --client vllm sends the
+same requests with vLLM's own `vllm bench serve` instead (bench/vllm_client.py). The
+last line printed is one JSON object. Greedy decoding and no ignore_eos (transformers
+serve has no such option), so every server is asked for exactly the same thing. For a
+caller that builds its own engine (`bench gpu`, on a GPU), in_process_daemon runs the
+same daemon in-process.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import numpy as np
 import psutil
 
 from bench import vllm_peer
+from bench.vllm_client import ClientError, VllmClient, ensure_client_installed
 
 READY_TIMEOUT_S = 600.0  # the first start converts the embedded GGUF (~20 s), then ~1 s
 VLLM_READY_TIMEOUT_S = 1800.0  # vLLM's CPU build compiles its model with inductor at start
@@ -534,6 +537,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run the workload at each of these request rates (other prompts per rate, "
         "the same for every server) and report goodput at each",
     )
+    p.add_argument(
+        "--client",
+        choices=["wattserve", "vllm"],
+        default="wattserve",
+        help="load generator: this module's, or vLLM's own `vllm bench serve` from the peer "
+        "venv (installed on first use) sending the same requests (bench/vllm_client.py)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=None, help="passed to wattserve serve")
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="passed to wattserve serve"
@@ -573,16 +583,27 @@ def count_tokens_with(tok):
 
 def _bench(url: str, model: str, specs, args) -> dict[str, Any]:
     load_before = os.getloadavg()[0]
-    results, duration = asyncio.run(
-        run_workload(url, model, specs, args.max_concurrency, args.request_timeout_s)
-    )
-    summary = summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms)
+    if getattr(args, "vllm_client", None) is not None:
+        summary = args.vllm_client.run(url, model, specs, args)
+    else:
+        results, duration = asyncio.run(
+            run_workload(url, model, specs, args.max_concurrency, args.request_timeout_s)
+        )
+        summary = summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms)
     # Other processes on the machine skew a CPU benchmark: the 1-minute load shows it.
     summary["host_load_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     return summary
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except ClientError as e:
+        print(f"wattserve bench serve: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the table
     from daemon.config import default_cache_dir
@@ -590,7 +611,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.url and (args.vs_vllm or args.vs_transformers):
         print("wattserve bench serve: error: --url runs no peer; drop --vs-*", file=sys.stderr)
         return 2
+    if args.client == "vllm" and (args.vs_vllm or args.vs_transformers or args.sweep_rates):
+        print(
+            "wattserve bench serve: error: --client vllm runs against wattserve only, at one "
+            "rate: drop --vs-* and --sweep-rates",
+            file=sys.stderr,
+        )
+        return 2
     cache_dir = default_cache_dir()
+    args.vllm_client = None
+    if args.client == "vllm":  # first, so that a failed install costs no benchmark time
+        try:
+            paths = vllm_peer.ensure_installed(cache_dir, log=lambda m: print(m, file=sys.stderr))
+            ensure_client_installed(paths, log=lambda m: print(m, file=sys.stderr))
+        except (vllm_peer.PeerInstallError, OSError) as e:
+            print(f"wattserve bench serve: error: {e}", file=sys.stderr)
+            return 1
+        args.vllm_client = VllmClient(paths, model_directory(args.model, cache_dir))
     vllm_paths = None
     if args.vs_vllm:  # first, so that a failed install costs no benchmark time
         try:
@@ -652,6 +689,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "slo_ttft_ms": args.slo_ttft_ms,
         "slo_tpot_ms": args.slo_tpot_ms,
+        "client": args.client,
     }
     if args.url:
         served = args.served_model or httpx.get(args.url + "/v1/models").json()["data"][0]["id"]

