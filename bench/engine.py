@@ -87,7 +87,16 @@ def run_hf_static(model, tokenizer, prompts: list[list[int]], new_tokens: int) -
     return time.perf_counter() - t0, produced
 
 
-def run_hf_cb(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
+def run_hf_cb(
+    model,
+    prompts: list[list[int]],
+    new_tokens: int,
+    cb_config=None,
+    persistent_manager: bool = False,
+) -> tuple[float, int]:
+    """transformers' continuous batching (`generate_batch`); cb_config: its
+    ContinuousBatchingConfig (None: its defaults); persistent_manager: keep the manager on
+    the model, so that a second call with the same workload skips its set-up."""
     from transformers import GenerationConfig
 
     cfg = GenerationConfig(
@@ -99,7 +108,12 @@ def run_hf_cb(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, 
     )
     t0 = time.perf_counter()
     with torch.inference_mode():
-        results = model.generate_batch(inputs=prompts, generation_config=cfg)
+        results = model.generate_batch(
+            inputs=prompts,
+            generation_config=cfg,
+            continuous_batching_config=cb_config,
+            persistent_manager=persistent_manager,
+        )
     dt = time.perf_counter() - t0
     return dt, sum(len(r.generated_tokens) for r in results.values())
 

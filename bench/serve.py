@@ -18,7 +18,9 @@ sent at once: its output tok/s is the throughput at saturation. The servers run 
 the other, never together, so neither steals the other's cores. --client vllm sends the
 same requests with vLLM's own `vllm bench serve` instead (bench/vllm_client.py). The
 last line printed is one JSON object. Greedy decoding and no ignore_eos (transformers
-serve has no such option), so every server is asked for exactly the same thing.
+serve has no such option), so every server is asked for exactly the same thing. For a
+caller that builds its own engine (`bench gpu`, on a GPU), in_process_daemon runs the
+same daemon in-process.
 """
 
 from __future__ import annotations
@@ -365,6 +367,36 @@ class ManagedServer:
         return self.proc.returncode
 
 
+@contextlib.contextmanager
+def in_process_daemon(cfg, build_engine, start_timeout_s: float = READY_TIMEOUT_S):
+    """The daemon `wattserve serve` runs (its HTTP API, engine loop, device sampler and
+    control loop as cfg says), in this process on a free loopback port, serving an engine
+    the caller builds (on a GPU, say). Yields (base URL, served model name); leaving drains
+    and stops it and raises if it did not exit 0."""
+    from daemon.api.state import Phase
+    from daemon.server import Daemon, bind_socket
+
+    daemon = Daemon(cfg, build_engine=build_engine, environ={})
+    sock = bind_socket("127.0.0.1", 0)
+    codes: list[int] = []
+    thread = threading.Thread(
+        target=lambda: codes.append(asyncio.run(daemon.run(sock, install_signals=False))),
+        name="bench-daemon",
+        daemon=True,
+    )
+    thread.start()
+    try:
+        if not daemon.ready.wait(start_timeout_s) or daemon.state.phase is not Phase.READY:
+            raise RuntimeError(f"daemon did not become ready ({daemon.state.phase.value})")
+        host, port = daemon.address  # type: ignore[misc]
+        yield f"http://{host}:{port}", daemon.state.served_model_name
+    finally:
+        daemon.request_shutdown()
+        thread.join(STOP_TIMEOUT_S)
+    if thread.is_alive() or codes != [0]:
+        raise RuntimeError(f"daemon did not stop cleanly (exit codes {codes})")
+
+
 def warm_up(url: str, model: str) -> None:
     """One short request, so one-time set-up (transformers' CB init) is not measured."""
     body = {
@@ -534,7 +566,11 @@ def _count_tokens_fn(model_dir: Path | None):
         return lambda text: int(len(text.split()) * 1.3) + 30  # rough: no tokenizer at hand
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return count_tokens_with(AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
+
+
+def count_tokens_with(tok):
+    """count_tokens for build_workload: a user message's chat prompt length in tok's tokens."""
 
     def count(text: str) -> int:
         chat = tok.apply_chat_template(

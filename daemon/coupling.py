@@ -29,13 +29,13 @@ def step_flops(shape, stats, kv_bytes_per_token: int) -> float:
     return linear + head + attention
 
 
-def device_step_hook(engine, device, sleep: Callable[[float], None] = time.sleep):
-    """A hook for engine.add_step_hook that books each step on `device` and waits."""
+def step_activity(engine) -> Callable[[object], EngineActivity]:
+    """A function from one of `engine`'s StepStats to the EngineActivity a device prices."""
     shape = engine.model.shape
     kv_bytes_per_token = engine.kv_spec.bytes_per_block // engine.kv_spec.block_size_tokens
 
-    def hook(stats) -> None:
-        activity = EngineActivity(
+    def activity(stats) -> EngineActivity:
+        return EngineActivity(
             step_duration_s=stats.duration_s,
             prefill_tokens=stats.prefill_tokens,
             decode_tokens=stats.decode_tokens,
@@ -43,7 +43,16 @@ def device_step_hook(engine, device, sleep: Callable[[float], None] = time.sleep
             kv_bytes_read=stats.kv_bytes_read,
             flops=step_flops(shape, stats, kv_bytes_per_token),
         )
-        extra_s = device.record_engine_step(activity)
+
+    return activity
+
+
+def device_step_hook(engine, device, sleep: Callable[[float], None] = time.sleep):
+    """A hook for engine.add_step_hook that books each step on `device` and waits."""
+    activity = step_activity(engine)
+
+    def hook(stats) -> None:
+        extra_s = device.record_engine_step(activity(stats))
         if extra_s > 0:
             sleep(extra_s)
 
