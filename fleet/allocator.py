@@ -252,6 +252,12 @@ class Allocator:
         if raising_allowed and not infeasible:
             order = sorted(active, key=lambda n: (-asks[n].band, -asks[n].goodput_per_w, n))
             for n in order:
+                # What the node is owed (its need up to its fair share) comes back with
+                # no hysteresis or pacing: the static equal split would already give it.
+                lift = min(targets[n], asks[n].owed_w) - grants_w[n]
+                if lift > 0:
+                    room_n = p.site_budget_w - committed() + max(0.0, charges[n] - grants_w[n])
+                    grants_w[n] += max(0.0, min(lift, room_n))
                 want = targets[n] - grants_w[n]
                 if want <= p.hysteresis_w:
                     continue

@@ -145,14 +145,16 @@ def test_grants_follow_load_cut_fast_and_raise_slowly():
     assert grants["n0"] == pytest.approx(300, abs=1)
     # n1's load drops: its cut comes in one round (to its need plus the 100 W surplus,
     # which goes to the higher band first); n0's raise waits until the cut is applied (the
-    # grant n1 runs under is charged until it acknowledges the new one), then comes in steps.
+    # grant n1 runs under is charged until it acknowledges the new one), then comes up to
+    # its fair share (450 W) at once and above it in steps.
     result, now_s = drive(alloc, nodes, {"n0": 600, "n1": 200}, now_s, 1)
     grants = {g.node_id: g.budget_w for g in result.grants}
     assert grants["n1"] == pytest.approx(300, abs=1e-6)
     assert grants["n0"] <= 301  # freed watts not reused yet (n1 stopped 0.5 W short)
     before = grants["n0"]
     result, now_s = drive(alloc, nodes, {"n0": 600, "n1": 200}, now_s, 1)
-    step = {g.node_id: g.budget_w for g in result.grants}["n0"] - before
+    assert before < 450
+    step = {g.node_id: g.budget_w for g in result.grants}["n0"] - 450
     assert 25 - 1e-6 <= step <= 50 + 1e-6  # jittered within [0.5, 1] x raise_step_w
     result, now_s = drive(alloc, nodes, {"n0": 600, "n1": 200}, now_s, 15)
     grants = {g.node_id: g.budget_w for g in result.grants}
@@ -263,3 +265,29 @@ def test_a_node_that_needs_its_equal_share_keeps_it(ratio, owed_w):
         assert grants["n1"] < 400
     else:
         assert grants["n1"] == pytest.approx(owed_w, abs=11)  # within the hysteresis
+
+
+def test_a_node_whose_need_jumps_gets_its_fair_share_once_the_watts_are_free():
+    # One band, 900 W: the equal split is 450 W each. n1 idles at 150 W while n0 takes the
+    # rest; then n1's need jumps to 700 W. Its raise to its 450 W share waits one round for
+    # n0's cut to be acknowledged (make-before-break), then comes whole: not in paced steps
+    # of at most raise_step_w, and not left a hysteresis short.
+    specs = [NodeSpec(f"n{i}", floor_w=100.0, ceiling_w=700.0) for i in range(2)]
+    params = AllocatorParams(
+        site_budget_w=900.0, period_s=PERIOD_S, raise_step_w=50.0, hysteresis_w=10.0
+    )
+    alloc = Allocator(specs, params, random.Random(1))
+    nodes = {s.node_id: SimNode(s) for s in specs}
+    gain = {"n0": 10, "n1": 1}
+    result, now_s = drive(alloc, nodes, {"n0": 700, "n1": 150}, 0.0, 30, gain=gain)
+    grants = {g.node_id: g.budget_w for g in result.grants}
+    assert grants["n0"] == pytest.approx(700, abs=11)
+    assert grants["n1"] < 250
+    result, now_s = drive(alloc, nodes, {"n0": 700, "n1": 700}, now_s, 1, gain=gain)
+    grants = {g.node_id: g.budget_w for g in result.grants}
+    assert grants["n0"] == pytest.approx(450, abs=1e-6)  # cut at once
+    assert grants["n1"] < 250  # n0 still runs under its 700 W grant
+    result, now_s = drive(alloc, nodes, {"n0": 700, "n1": 700}, now_s, 1, gain=gain)
+    grants = {g.node_id: g.budget_w for g in result.grants}
+    assert grants["n1"] == pytest.approx(450, abs=1e-6)
+    assert sum(grants.values()) <= 900 + 1e-6
