@@ -158,6 +158,12 @@ class EngineConfig(_Section):
         description="On CUDA: replay decode steps from CUDA graphs captured per batch-size "
         "bucket; ignored on the CPU.",
     )
+    overlap_detokenize: bool | None = Field(
+        None,
+        description="Launch each step's forward before the step before is detokenized, "
+        "so the host makes text while the device computes; unset: on for CUDA, off on "
+        "the CPU (the same cores would do both).",
+    )
 
     @model_validator(mode="after")
     def _check_quant_level(self) -> EngineConfig:

@@ -5,7 +5,9 @@ for the loop); the loop thread alone owns the scheduler, the KV cache and the mo
 Each request's events go out through the sink callable it brought, handed over once per
 step: the step's (sink, event) pairs go together to the delivery function (by default each
 sink is called in turn on the loop thread; the API installs one that crosses to its asyncio
-loop in a single call). Batch limits and decode pacing change through set_limits() and the
+loop in a single call). With overlap_detokenize (CUDA's default) the next step's forward
+is launched before a step's tokens are detokenized, so the host makes text while the device
+computes. Batch limits and decode pacing change through set_limits() and the
 weight quantization level through set_quant_level(), each read once at the top of each step;
 per-step statistics go to registered step hooks. Nothing here awaits, and nothing here
 speaks HTTP.
@@ -59,6 +61,7 @@ def call_each(batch: list[tuple[Sink, RequestOutput]]) -> None:
         except Exception:
             log.exception("request %s: its sink failed", out.request_id)
 
+
 # What a request hears when the loop thread died under it (the details go to the log).
 ENGINE_FAULT_MESSAGE = "the engine failed; the server is restarting"
 
@@ -78,6 +81,9 @@ class EngineOptions:
     quant_prepare: str = "lazy"  # "lazy": build a level on first use; "start": all at start
     enable_prefix_caching: bool = True  # share the KV blocks of equal prompt prefixes
     cuda_graphs: bool = True  # CUDA only: replay decode steps from captured graphs
+    # Launch step N+1 before step N's tokens are detokenized; None: on CUDA only (on the
+    # CPU the same cores would do both, so nothing overlaps).
+    overlap_detokenize: bool | None = None
 
     @classmethod
     def from_config(cls, engine_cfg) -> EngineOptions:
@@ -97,6 +103,7 @@ class EngineOptions:
             quant_prepare=engine_cfg.quant_prepare,
             enable_prefix_caching=engine_cfg.enable_prefix_caching,
             cuda_graphs=engine_cfg.cuda_graphs,
+            overlap_detokenize=engine_cfg.overlap_detokenize,
         )
 
 
@@ -152,6 +159,32 @@ class _Request:
     grammar: GrammarState | None = None  # structured outputs: advanced by each sampled token
 
 
+@dataclass
+class _Launched:
+    """A step whose forward is launched and whose tokens are not sampled yet."""
+
+    plan: SchedulePlan
+    t0_s: float  # time.monotonic() at launch
+    requests: dict[str, _Request]  # the plan's, by sequence id, at launch
+    lay: StepLayout | None = None
+    logits: torch.Tensor | None = None  # None: the launch failed
+    reqs: list[_Request] = field(default_factory=list)  # one per sampled row
+    masks: torch.Tensor | None = None  # structured outputs' token masks of those rows
+
+
+@dataclass
+class _Sampled:
+    """One request's token of a completed step, between its id checks and its text."""
+
+    req: _Request
+    token: int | None
+    logprob: TokenLogprob | None
+    prompt_logprobs: list[TokenLogprob | None] | None
+    reason: str | None = None  # decided by the token id: "stop", "length" or "error"
+    error: str | None = None
+    detokenize: bool = True  # False for EOS and stop token ids: their text is not output
+
+
 class Engine:
     """Continuous batching over a paged KV cache on one model."""
 
@@ -182,9 +215,7 @@ class Engine:
         budget = options.kv_cache_bytes or (
             None if dev.type == "cuda" else _kv_budget_bytes(dev, options)
         )
-        self.model = LlamaModel(
-            loaded.hf_model, None, options.block_size_tokens, loaded.dtype, dev
-        )
+        self.model = LlamaModel(loaded.hf_model, None, options.block_size_tokens, loaded.dtype, dev)
         budget = budget or _kv_budget_bytes(dev, options)
         num_blocks = budget // bpb
         if num_blocks < 1:
@@ -223,6 +254,12 @@ class Engine:
         self._kv_bytes_per_token = bpb // options.block_size_tokens
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, _Request] = {}
+        self._overlap_detokenize = (
+            options.overlap_detokenize
+            if options.overlap_detokenize is not None
+            else dev.type == "cuda"
+        )
+        self._in_flight: _Launched | None = None  # launched, not sampled yet (overlap only)
         self._hooks: list[Callable[[StepStats], None]] = []
         self._outbox: list[tuple[Sink, RequestOutput]] = []  # this step's events
         self.delivery: Delivery = call_each
@@ -449,9 +486,12 @@ class Engine:
         return len(self.scheduler.waiting)
 
     def has_work(self) -> bool:
-        return bool(self._requests) or not self._inbox.empty()
+        return bool(self._requests) or self._in_flight is not None or not self._inbox.empty()
 
-    def _drain_inbox(self, block_s: float) -> None:
+    def _drain_inbox(self, block_s: float, aborts: list[str] | None = None) -> None:
+        """Take queued requests and aborts; with `aborts` (a step's text still to be made),
+        an aborted request leaves the scheduler now and its id goes there, for _finish
+        after that step's events."""
         try:
             item = self._inbox.get(timeout=block_s) if block_s > 0 else self._inbox.get_nowait()
         except queue.Empty:
@@ -462,6 +502,12 @@ class Engine:
                 self._requests[payload.seq.seq_id] = payload
                 self.scheduler.add(payload.seq)
                 self.counters.prompt_tokens += len(payload.seq.prompt_token_ids)
+            elif kind == "abort" and aborts is not None:
+                # Its blocks are freed and it is not scheduled again now; its event waits
+                # until the completed step's tokens are out.
+                aborts.append(payload)
+                if payload in self._requests:
+                    self.scheduler.finish(payload)
             elif kind == "abort" and payload in self._requests:
                 self._finish(self._requests[payload], "abort")
             try:
@@ -471,19 +517,49 @@ class Engine:
 
     def step(self, block_s: float = 0.0) -> StepStats | None:
         """Run one engine iteration; returns None when there was nothing to compute.
-        Its events (tokens, finishes, aborts) are delivered together at its end."""
+        Its events (tokens, finishes, aborts) are delivered together at its end. With
+        overlap_detokenize the next step's forward is launched before this one's text is
+        made, and stays in flight when step() returns (the next call samples it)."""
         try:
             return self._step(block_s)
         finally:
             self._flush()
 
     def _step(self, block_s: float) -> StepStats | None:
-        self._drain_inbox(0.0 if self._requests else block_s)
+        launched = self._in_flight or self._launch(block_s)
+        self._in_flight = None
+        if launched is None:
+            return None
+        rows = self._complete(launched)
+        if rows is None:
+            return None
+        now = time.monotonic()
+        aborts: list[str] = []
+        if self._overlap_detokenize:
+            # The device computes step N+1 while the host makes step N's text below.
+            self._in_flight = self._launch(0.0, aborts)
+        finished = sum(row.reason is not None for row in rows)
+        finished += self._emit(rows)
+        for rid in aborts:  # after the step's tokens: an abort's event ends its stream
+            if rid in self._requests:
+                self._finish(self._requests[rid], "abort")
+        stats = self._step_stats(launched.plan, launched.t0_s, now - launched.t0_s, finished)
+        for hook in self._hooks:
+            hook(stats)
+        return stats
+
+    def _launch(self, block_s: float, aborts: list[str] | None = None) -> _Launched | None:
+        """Schedule a step and launch its forward (on a GPU it runs on while the host goes
+        on). aborts: given while a completed step's text is still to be made (see
+        _drain_inbox); decode pacing then launches nothing rather than wait."""
+        overlapped = aborts is not None
+        self._drain_inbox(0.0 if self._requests or overlapped else block_s, aborts)
         pause_s = self.pacing_wait_s()
         if pause_s > 0:
             # Decode pacing: idle until the interval is up; an arrival ends the wait at
             # once (the next call finds it waiting). Short waits keep stop() responsive.
-            self._drain_inbox(min(pause_s, 0.05))
+            if not overlapped:
+                self._drain_inbox(min(pause_s, 0.05))
             return None
         self._apply_quant_level()
         plan = self.scheduler.schedule(self._limits)
@@ -492,6 +568,9 @@ class Engine:
         t0 = time.monotonic()
         self._last_step_start_s = t0
         self._last_decode_only = all(c.num_tokens == 1 for c in plan.chunks)
+        step = _Launched(
+            plan, t0, {c.seq.seq_id: self._requests[c.seq.seq_id] for c in plan.chunks}
+        )
         try:
             lay = self.model.layout(
                 plan.chunks,
@@ -501,36 +580,52 @@ class Engine:
             logits = self._graphs.run(lay) if self._graphs is not None else None
             if logits is None:  # prefill, mixed, or no graphs: eager
                 logits = self.model.forward(self.model.inputs_from(lay))
-            reqs = [self._requests[c.seq.seq_id] for c in lay.sampled_chunks]
+            reqs = [step.requests[c.seq.seq_id] for c in lay.sampled_chunks]
             # Before the logits are read: on a GPU this overlaps the forward still running.
-            masks = self.grammars.fill_masks([r.grammar for r in reqs])
-            self._gather_prompt_logprobs(lay, logits[len(reqs) :])
+            step.masks = self.grammars.fill_masks([r.grammar for r in reqs])
+        except Exception:  # a bug in one batch must not take the daemon down
+            log.exception("engine step failed; failing the %d requests in it", len(plan.chunks))
+            return step  # no logits: its requests fail when it is completed
+        step.lay, step.logits, step.reqs = lay, logits, reqs
+        return step
+
+    def _complete(self, step: _Launched) -> list[_Sampled] | None:
+        """Sample a launched step (the one read-back), commit it and check each token's
+        id for a finish (EOS, stop ids, grammar, length); a request so finished leaves
+        the scheduler now, before the next step is scheduled. Text and stop strings
+        wait for _emit. None when the step failed (its requests ended with an error)."""
+        if step.logits is None:  # its launch failed (logged then)
+            self._fail_step(step.plan)
+            return None
+        reqs, logits = step.reqs, step.logits
+        try:
+            self._gather_prompt_logprobs(step.lay, logits[len(reqs) :], step.requests)
             params = [r.params for r in reqs]
             history = [RowHistory(r.seq.prompt_token_ids, r.seq.output_token_ids) for r in reqs]
             processed = process(logits[: len(reqs)], params, history, self.eos_token_ids)
-            processed = apply_masks(processed, masks)
+            processed = apply_masks(processed, step.masks)
             tokens = sample(processed, params, [r.generator for r in reqs])
             logprobs = _sampled_logprobs(processed, params, tokens)
         except Exception:  # a bug in one batch must not take the daemon down
-            log.exception("engine step failed; failing the %d requests in it", len(plan.chunks))
-            for c in plan.chunks:
-                if c.seq.seq_id in self._requests:
-                    self._finish(self._requests[c.seq.seq_id], "error", "internal engine error")
+            log.exception(
+                "engine step failed; failing the %d requests in it", len(step.plan.chunks)
+            )
+            self._fail_step(step.plan)
             return None
-        sampled = {r.seq.seq_id: t for r, t in zip(reqs, tokens, strict=True) if t is not None}
-        self.scheduler.commit(plan, sampled)
+        # A request that finished while its step was in flight (a stop string found in the
+        # step before's text, an abort) drops its token: never committed nor delivered.
+        live = [
+            (r, t, lp)
+            for r, t, lp in zip(reqs, tokens, logprobs, strict=True)
+            if self._requests.get(r.seq.seq_id) is r
+        ]
+        self.scheduler.commit(step.plan, {r.seq.seq_id: t for r, t, _ in live if t is not None})
         now = time.monotonic()
-        finished = 0
-        for req, tok, lp in zip(reqs, tokens, logprobs, strict=True):
-            if tok is None:
-                self._finish(req, "error", "non-finite logits")
-                finished += 1
-            elif self._emit(req, tok, now, lp):
-                finished += 1
-        stats = self._step_stats(plan, t0, now - t0, finished)
-        for hook in self._hooks:
-            hook(stats)
-        return stats
+        rows = [self._check_token(r, t, lp, now) for r, t, lp in live]
+        for row in rows:
+            if row.reason is not None:
+                self._retire(row.req)
+        return rows
 
     def _prompt_logits_wanted(self, plan: SchedulePlan) -> frozenset[str]:
         """Sequences whose chunk this step covers prompt positions not gathered yet."""
@@ -545,13 +640,16 @@ class Engine:
                 wanted.append(c.seq.seq_id)
         return frozenset(wanted)
 
-    def _gather_prompt_logprobs(self, lay: StepLayout, logits: torch.Tensor) -> None:
-        """logits: the rows prepare() added for prompt logprobs, chunk after chunk."""
+    def _gather_prompt_logprobs(
+        self, lay: StepLayout, logits: torch.Tensor, requests: dict[str, _Request]
+    ) -> None:
+        """logits: the rows prepare() added for prompt logprobs, chunk after chunk;
+        requests: the step's, by sequence id, as it was launched."""
         # A chunk recomputed after preemption finds its positions gathered already and is
         # not asked for (_prompt_logits_wanted); one that skips positions is not either.
         row = 0
         for chunk, rows_n in lay.prompt_logit_chunks:
-            req = self._requests[chunk.seq.seq_id]
+            req = requests[chunk.seq.seq_id]
             prompt = chunk.seq.prompt_token_ids
             if rows_n:
                 targets = prompt[chunk.start + 1 : chunk.start + 1 + rows_n]
@@ -596,9 +694,18 @@ class Engine:
         self.last_step = stats
         return stats
 
-    def _emit(self, req: _Request, token: int, now: float, lp: TokenLogprob | None) -> bool:
-        """Deliver one sampled token; returns True when the request finished."""
+    def _fail_step(self, plan: SchedulePlan) -> None:
+        for c in plan.chunks:
+            if c.seq.seq_id in self._requests:
+                self._finish(self._requests[c.seq.seq_id], "error", "internal engine error")
+
+    def _check_token(
+        self, req: _Request, token: int | None, lp: TokenLogprob | None, now: float
+    ) -> _Sampled:
+        """The finish a sampled token decides by its id alone (None: its text may)."""
         seq, p = req.seq, req.params
+        if token is None:
+            return _Sampled(req, None, None, None, "error", "non-finite logits")
         prompt_lps = None
         if req.first_token_s is None:
             req.first_token_s = now
@@ -607,37 +714,67 @@ class Engine:
                 if len(prompt_lps) != len(seq.prompt_token_ids):
                     # Positions never computed (a KV cache that skipped them): say so,
                     # rather than hand back a shorter list as if it were whole.
-                    self._finish(req, "error", "prompt logprobs are incomplete")
-                    return True
+                    return _Sampled(
+                        req, None, None, None, "error", "prompt logprobs are incomplete"
+                    )
         self.counters.generation_tokens += 1
         if req.grammar is not None and not req.grammar.advance(token):
-            self._finish(req, "error", "the sampled token does not fit the grammar")
-            return True
-        reason = None
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            reason = "stop"
-        elif req.detok.add(token):
-            reason = "stop"
-        elif req.grammar is not None and req.grammar.terminated:
-            reason = "stop"  # after its text: the token that completed the grammar is kept
-        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        if reason is not None:
-            self._finish(req, reason, last_token=token, last_logprob=lp, prompt_logprobs=prompt_lps)
-            return True
-        self._send(
-            req.sink,
-            RequestOutput(
-                seq.seq_id,
-                [token],
-                req.detok.take(),
-                prompt_tokens=len(seq.prompt_token_ids),
-                completion_tokens=len(seq.output_token_ids),
-                logprobs=None if lp is None else [lp],
-                prompt_logprobs=prompt_lps,
+            return _Sampled(
+                req, None, None, None, "error", "the sampled token does not fit the grammar"
             )
-        )
-        return False
+        row = _Sampled(req, token, lp, prompt_lps)
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            row.reason, row.detokenize = "stop", False  # its text is not the request's
+        elif req.grammar is not None and req.grammar.terminated:
+            row.reason = "stop"  # after its text: the token that completed the grammar is kept
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            row.reason = "length"
+        return row
+
+    def _emit(self, rows: list[_Sampled]) -> int:
+        """Detokenize a completed step's tokens, match stop strings and send its events;
+        returns how many requests a stop string finished (_check_token's count apart)."""
+        stopped = 0
+        for row in rows:
+            req = row.req
+            if row.reason == "error":
+                self._finish(req, "error", row.error)
+                continue
+            reason = row.reason
+            if reason is None and self._requests.get(req.seq.seq_id) is not req:
+                continue  # ended since its token was sampled (its end was sent then)
+            if row.detokenize and req.detok.add(row.token):  # type: ignore[arg-type]
+                stopped += reason is None
+                reason = "stop"  # a stop string outranks a length finish, as it ends first
+            if reason is not None:
+                self._finish(
+                    req,
+                    reason,
+                    last_token=row.token,
+                    last_logprob=row.logprob,
+                    prompt_logprobs=row.prompt_logprobs,
+                )
+                continue
+            seq = req.seq
+            self._send(
+                req.sink,
+                RequestOutput(
+                    seq.seq_id,
+                    [row.token],  # type: ignore[list-item]
+                    req.detok.take(),
+                    prompt_tokens=len(seq.prompt_token_ids),
+                    completion_tokens=len(seq.output_token_ids),
+                    logprobs=None if row.logprob is None else [row.logprob],
+                    prompt_logprobs=row.prompt_logprobs,
+                ),
+            )
+        return stopped
+
+    def _retire(self, req: _Request) -> None:
+        """Take a request out of the scheduler (its KV blocks are freed) and the loop."""
+        if self._requests.get(req.seq.seq_id) is req:
+            self.scheduler.finish(req.seq.seq_id)
+            del self._requests[req.seq.seq_id]
 
     def _finish(
         self,
@@ -649,8 +786,7 @@ class Engine:
         prompt_logprobs: list[TokenLogprob | None] | None = None,
     ) -> None:
         seq = req.seq
-        self.scheduler.finish(seq.seq_id)
-        self._requests.pop(seq.seq_id, None)
+        self._retire(req)
         self.counters.requests_finished[reason] += 1
         text = req.detok.take(final=True) if reason != "error" else ""
         self._send(
@@ -666,7 +802,7 @@ class Engine:
                 completion_tokens=len(seq.output_token_ids),
                 logprobs=None if last_logprob is None else [last_logprob],
                 prompt_logprobs=prompt_logprobs,
-            )
+            ),
         )
 
     # ---- threads ---------------------------------------------------------------------
@@ -737,6 +873,7 @@ class Engine:
             self._stop.set()
             self._thread.join(timeout_s)
             self._thread = None
+        self._in_flight = None  # its tokens are dropped with its requests
         if abort_pending:
             self._drain_inbox(0.0)
             for req in list(self._requests.values()):
