@@ -118,7 +118,12 @@ class QuantTimescale(Part):
             return
         if model.samples < self.params.learning_min_steps:
             return
-        expected = model.coefficients(clock_mhz).step_s(
+        # With the step's own context per decode token folded in, as every prediction
+        # has it: the fit trades the decode cost against the context cost (the two counts
+        # move together), and clipping each on its own predicted fp32 a 30 ms step where
+        # its steps took 95 ms, so a faster bf16 (65 ms) was judged 2.2x slower.
+        per_decode = step.context_tokens / step.decode_tokens if step.decode_tokens else None
+        expected = model.coefficients(clock_mhz, per_decode).step_s(
             step.prefill_tokens, step.decode_tokens, step.context_tokens
         )
         t.steps += 1

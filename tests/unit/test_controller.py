@@ -23,6 +23,7 @@ from controller.controller import (
     candidate_clocks,
 )
 from controller.policy import ControlMode, Knobs, Objective, Policy, QuantOption
+from controller.quant import Trial
 from controller.signals import (
     DeviceConstraints,
     EngineConstraints,
@@ -759,6 +760,28 @@ def test_a_trial_level_measured_much_slower_than_its_table_says_is_left_at_once(
     assert ctl.quant.state.slow_here_s.get("int8") is not None
     after = decisions[decisions.index(back) :]
     assert all(d.knobs.quant_level == "fp32" for d in after)
+
+
+def test_a_trial_step_is_judged_with_the_context_cost_folded_in():
+    # The level before's fit traded its context cost's clock stretch against the decode
+    # cost's (the counts move together), as fp32's did on the engine model's steady 80 %:
+    # each cost clipped on its own drops the context cost (flat at the mean stretch it
+    # goes negative). The trial's steps, 0.7 x what that level's steps take, are faster.
+    ctl = trial_controller(TABLE_BF16_THEN_INT8)
+    before = ctl.learner.step_model("fp32")
+    before.rls.theta = [0.0129, 0.0756, 0.001, 0.0092, -0.002, 0.0233, 0.0134, -0.0073]
+    before.rls.updates = ctl.params.learning_min_steps
+    before.stretch_mean = 1.35
+    ctl.quant.state.trial = Trial("bf16", "fp32", stuck=False, started_s=0.0)
+    per_decode = 7480 / 45
+    fp32_s = before.coefficients(1980, per_decode).step_s(20, 45, 7480)
+    assert fp32_s > 0.09  # about what fp32's steps took there (95 ms)
+    for i in range(4):
+        step = StepRecord(float(i), 0.7 * fp32_s, 20, 45, 7480, "bf16", 1980)
+        ctl.quant.judge_trial_step(step, 1980)
+    enough, slow = ctl.quant._trial_evidence()
+    assert not slow
+    assert ctl.quant.state.trial.measured_s == pytest.approx(0.7 * ctl.quant.state.trial.expected_s)
 
 
 @pytest.mark.parametrize("int8_prefill_tok_s", [None, 2000.0, 300.0])
