@@ -242,7 +242,7 @@ class Controller:
             before_step=self.quant.judge_trial_step,
         )
         self.clock.note_first_tokens(stats.ttft_s, now_s)
-        self.latency_guard.note_queue(stats.num_waiting)
+        self.latency_guard.note_queue(stats.num_waiting, stats.num_running)
 
     def _clock_now(self, telemetry: Telemetry | None) -> int | None:
         if telemetry is not None and telemetry.sm_clock_mhz:

@@ -1062,7 +1062,10 @@ def test_decode_pacing_at_a_light_load_saves_energy_within_the_tpot_slo():
 
 
 def test_a_tpot_miss_turns_decode_pacing_off_at_once():
-    ctl = make_controller(decode_interval_max_ms=1000.0)
+    # Twelve times longer steps also swell the running batch towards the engine's cap,
+    # whose guard would turn pacing off first: here only the TPOT miss may.
+    no_cap_guard = ControllerParams(guard_cap_share=2.0)
+    ctl = make_controller(decode_interval_max_ms=1000.0, params=no_cap_guard)
     plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
     run(ctl, plant, 90)
     assert ctl.knobs.decode_interval_ms > 0
@@ -1107,3 +1110,38 @@ def test_the_decode_interval_is_clamped_to_the_engine_s_longest():
     plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0)
     decisions = run(ctl, plant, 5)
     assert {d.knobs.decode_interval_ms for d in decisions} == {100.0}
+
+
+def _cap_guard_after(running_before: int, running_now: int):
+    """The latency guard's verdict on a paced, low-clock controller whose running batch
+    went from running_before to running_now (of the engine's 64) over the last 2 s, with
+    nothing waiting and no latency measured late."""
+    ctl = make_controller(decode_interval_max_ms=1000.0)
+    plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
+    run(ctl, plant, 30)
+    paced = ctl.knobs.with_changes(sm_clock_mhz=LADDER[10], decode_interval_ms=80.0)
+    ticks = ctl.params.guard_rise_ticks
+    for i in range(ticks + 1):
+        ctl.latency_guard.note_queue(0, running_before if i < ticks else running_now)
+    telemetry, stats = plant.tick(paced)
+    stats = dataclasses.replace(stats, num_running=running_now, num_waiting=0, ttft_s=(), tpot_s=())
+    ctl.latency_guard.state.last_fired_s = -math.inf
+    return ctl.latency_guard.check(
+        telemetry, stats, paced, ctl.outlook(plant.t_s), None, 400.0, ctl.learner.workload.current()
+    )
+
+
+def test_a_running_batch_rising_towards_the_engine_cap_takes_the_top_clock_unpaced():
+    # A burst: the batch doubled in 2 s to 3/4 of the engine's cap. Once it reaches the
+    # cap every arrival queues for a slot, so the guard acts before anyone waits.
+    choice = _cap_guard_after(24, 50)
+    assert choice is not None and choice.code is Reason.QUEUE_GROWTH
+    assert choice.knobs.sm_clock_mhz == LADDER[-1] and choice.knobs.decode_interval_ms == 0.0
+    assert "running at the engine's cap" in choice.reason
+
+
+@pytest.mark.parametrize("before, now", [(50, 50), (24, 30)])
+def test_a_steady_large_batch_or_a_small_rise_leaves_the_clock_to_the_optimizer(before, now):
+    # A batch as large that has not risen (a steady high load), or one that rose but is
+    # far from the cap, is not a burst: no guard.
+    assert _cap_guard_after(before, now) is None
