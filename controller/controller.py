@@ -340,7 +340,7 @@ class Controller:
             # whose steps have vouched for it: then the clock is what is short, the guard
             # raises it, and ending the trial would throw it away for a queue it did not
             # cause.
-            ended = self.quant.end_calm_trial()
+            ended = self.quant.end_calm_trial(now_s)
             if ended is not None:
                 tried, before = ended
                 latency.knobs = latency.knobs.with_changes(quant_level=before)

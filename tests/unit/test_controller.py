@@ -835,6 +835,34 @@ def test_a_latency_guard_ends_a_calm_trial_only_before_its_steps_vouch_for_it():
     assert d.changed == ("sm_clock_mhz",)  # the guard raised the clock, and only that
 
 
+def test_a_calm_trial_a_latency_guard_ended_is_tried_again_later():
+    # The guard ended int8's trial before its steps judged it: no verdict on int8, whose
+    # model stays untrained. It is tried again, once quant_peak_window_s has passed.
+    ctl, d = _guard_during_a_trial(vouched=False)
+    assert "trial of int8 aborted" in d.reason
+    assert not ctl.learner.trained("int8")
+    aborted_at = d.at_s
+    plant = calm_plant({"fp32": 1.0, "int8": 1.0})
+    plant.t_s = aborted_at
+    decisions = run(ctl, plant, 200)
+    again = [d for d in decisions if d.reason_code is Reason.QUANT_EXPLORE]
+    assert again and again[0].knobs.quant_level == "int8"
+    assert again[0].at_s - aborted_at >= ctl.params.quant_peak_window_s
+
+
+def test_a_trial_slower_only_at_small_batches_does_not_bar_the_table_s_level():
+    # A calm trial of int8 (twice fp32's speed at batch 16 by the table) runs small
+    # batches, where its steps measure a little slower than fp32's: kept as fp32, but not
+    # marked slow here, so where batches like the table's run it may switch by the table.
+    ctl = trial_controller(TABLE_INT8_TWICE_AS_FAST)
+    plant = calm_plant({"fp32": 1.0, "int8": 1.1})
+    decisions = run(ctl, plant, 240)
+    ended = [d for d in decisions if "the trial of int8 predicts no gain" in d.reason]
+    assert ended, "the trial was expected to end on its prediction"
+    assert ctl.learner.running_peak < ctl.params.quant_table_batch_min
+    assert "int8" not in ctl.quant.state.slow_here_s
+
+
 def test_after_a_trial_proves_the_table_wrong_no_escape_trials_under_load():
     # The table has bf16 and int8 faster than fp32; here both are four times slower. Under
     # a load fp32 is predicted not to meet, the controller escapes to bf16 (the table's
