@@ -242,7 +242,7 @@ class Controller:
             before_step=self.quant.judge_trial_step,
         )
         self.clock.note_first_tokens(stats.ttft_s, now_s)
-        self.latency_guard.note_queue(stats.num_waiting)
+        self.latency_guard.note_queue(stats.num_waiting, stats.num_running)
 
     def _clock_now(self, telemetry: Telemetry | None) -> int | None:
         if telemetry is not None and telemetry.sm_clock_mhz:
@@ -340,7 +340,7 @@ class Controller:
             # whose steps have vouched for it: then the clock is what is short, the guard
             # raises it, and ending the trial would throw it away for a queue it did not
             # cause.
-            ended = self.quant.end_calm_trial()
+            ended = self.quant.end_calm_trial(now_s)
             if ended is not None:
                 tried, before = ended
                 latency.knobs = latency.knobs.with_changes(quant_level=before)

@@ -1,5 +1,7 @@
 """The latency guard: a growing waiting queue, a request waiting half its TTFT SLO, a queue
-predicted to get its first tokens late at this clock (feed-forward), or a measured TTFT or
+predicted to get its first tokens late at this clock (feed-forward), a running batch rising
+fast towards the engine's largest batch cap (a burst: once the cap is full every arrival
+queues for a slot, and only a shorter TPOT frees slots sooner), or a measured TTFT or
 TPOT miss raises the clock at once (and the batch caps where the batch is full), never
 above what the budget allows, turns decode pacing off where there is no TPOT headroom to
 trade, and holds that clock as a floor. It overrides the models; it must not import torch
@@ -28,6 +30,7 @@ from controller.state import Choice, ControllerState, Reason
 @dataclass
 class LatencyGuardState:
     waiting_hist: deque[int] = field(default_factory=deque)  # queue lengths, latest last
+    running_hist: deque[int] = field(default_factory=deque)  # running batches, latest last
     last_fired_s: float = -math.inf
     floor_mhz: int | None = None  # no clock below this while it holds
     floor_until_s: float = -math.inf
@@ -39,11 +42,13 @@ class LatencyGuard(Part):
     def __init__(self, limits: Limits, learner: Learner) -> None:
         super().__init__(limits, learner)
         self.state = LatencyGuardState(
-            waiting_hist=deque(maxlen=max(2, limits.params.queue_growth_ticks + 1))
+            waiting_hist=deque(maxlen=max(2, limits.params.queue_growth_ticks + 1)),
+            running_hist=deque(maxlen=max(2, limits.params.guard_rise_ticks + 1)),
         )
 
-    def note_queue(self, num_waiting: int) -> None:
+    def note_queue(self, num_waiting: int, num_running: int) -> None:
         self.state.waiting_hist.append(num_waiting)
+        self.state.running_hist.append(num_running)
 
     def floor(self, now_s: float) -> int | None:
         """The clock floor in force (None: none holds)."""
@@ -96,7 +101,21 @@ class LatencyGuard(Part):
         late_s = p.slo_margin * policy.ttft_slo_ms / 1000.0
         drain_s = outlook.drain_s(level, clock, stats, knobs, workload)
         queue_late = drain_s is not None and drain_s > late_s
-        if not (growing or long_wait or queue_late or ttft_miss or tpot_miss):
+        # A burst filling the engine: the running batch rose guard_rise_factor x over the
+        # last guard_rise_ticks observations to guard_cap_share of the engine's largest cap.
+        # Once the cap is full every arrival queues for a slot, and only a shorter TPOT
+        # (the top clock, no pacing) frees slots sooner: act before anyone waits. Only
+        # where the board limit holds the budget: below its range the clock alone holds
+        # it, and a jump on a forecast risks a peak the power model has not seen.
+        runs = self.state.running_hist
+        cap_bound = (
+            lim.hw_limit_enforces(budget_w)
+            and stats.num_running >= p.guard_cap_share * lim.engine.max_num_seqs_max
+            and knobs.max_num_seqs >= lim.engine.max_num_seqs_max
+            and len(runs) == runs.maxlen
+            and stats.num_running >= p.guard_rise_factor * max(runs[0], 1)
+        )
+        if not (growing or long_wait or cap_bound or queue_late or ttft_miss or tpot_miss):
             return None
         if self.fired_within(now_s, p.guard_cooldown_s):
             # Still within the cooldown of the last step up: keep its floor, no new step.
@@ -107,9 +126,9 @@ class LatencyGuard(Part):
         # A request already waiting half its TTFT SLO cannot wait for a staircase: jump to
         # the top; otherwise step up by guard_clock_steps candidates, or (a late queue) to
         # the lowest clock predicted to drain it in time.
-        step = len(lim.clocks_mhz) if long_wait else p.guard_clock_steps
+        step = len(lim.clocks_mhz) if long_wait or cap_bound else p.guard_clock_steps
         target = min(lim.move(lim.snap(clock), step), top)
-        if queue_late and not long_wait:
+        if queue_late and not (long_wait or cap_bound):
             drain_at = top
             for f in lim.clocks_mhz:
                 if f <= clock or f > top:
@@ -140,7 +159,7 @@ class LatencyGuard(Part):
         # Decode pacing trades TPOT headroom for energy: a TPOT miss or a long wait leaves
         # none to trade, at the top clock too. (A queue alone leaves it: the engine does not
         # pace while requests wait.)
-        pace_off = knobs.decode_interval_ms > 0 and bool(tpot_miss or long_wait)
+        pace_off = knobs.decode_interval_ms > 0 and bool(tpot_miss or long_wait or cap_bound)
         unchanged = (target, seqs, tokens) == (
             clock,
             knobs.max_num_seqs,
@@ -149,9 +168,14 @@ class LatencyGuard(Part):
         if unchanged and not pace_off:
             return None  # nothing left to raise: let the optimizer keep its choice
         self._hold_floor(target, now_s)
-        if growing or long_wait or queue_late:
+        if growing or long_wait or cap_bound or queue_late:
             code = Reason.QUEUE_GROWTH
-            if growing:
+            if cap_bound and not long_wait:
+                what = (
+                    f"{stats.num_running} running at the engine's cap of "
+                    f"{lim.engine.max_num_seqs_max}: arrivals queue for a slot"
+                )
+            elif growing:
                 what = f"waiting queue growing ({'→'.join(map(str, hist[-k - 1 :]))})"
             elif long_wait:
                 what = f"oldest request waiting {stats.oldest_waiting_s:.2f} s"

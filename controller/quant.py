@@ -42,6 +42,7 @@ class Trial:
     steps: int = 0
     measured_s: float = 0.0
     expected_s: float = 0.0
+    batch_max: int = 0  # the largest decode batch among them
 
 
 @dataclass
@@ -53,6 +54,9 @@ class QuantState:
     trial: Trial | None = None
     probe_chunk_from: int | None = None  # the chunk before a trial's probe cut it
     slow_here_s: dict[str, float] = field(default_factory=dict)  # trials measured slower
+    # Calm trials a latency guard ended before their steps judged them, and when: the
+    # level is no worse for it, and is tried again (not before quant_peak_window_s).
+    aborted_s: dict[str, float] = field(default_factory=dict)
     stuck_since_s: float | None = None  # since the level in force stopped coping
 
 
@@ -118,20 +122,29 @@ class QuantTimescale(Part):
             return
         if model.samples < self.params.learning_min_steps:
             return
-        expected = model.coefficients(clock_mhz).step_s(
+        # With the step's own context per decode token folded in, as every prediction
+        # has it: the fit trades the decode cost against the context cost (the two counts
+        # move together), and clipping each on its own predicted fp32 a 30 ms step where
+        # its steps took 95 ms, so a faster bf16 (65 ms) was judged 2.2x slower.
+        per_decode = step.context_tokens / step.decode_tokens if step.decode_tokens else None
+        expected = model.coefficients(clock_mhz, per_decode).step_s(
             step.prefill_tokens, step.decode_tokens, step.context_tokens
         )
         t.steps += 1
+        t.batch_max = max(t.batch_max, step.decode_tokens)
         t.measured_s += step.duration_s
         t.expected_s += expected
 
-    def end_calm_trial(self) -> tuple[str, str] | None:
+    def end_calm_trial(self, now_s: float) -> tuple[str, str] | None:
         """A latency guard fired: a calm trial whose steps have not vouched for it ends
         (returns (tried, before)); one begun because the level before could not cope goes
-        on, as does one whose steps have vouched for it (None)."""
+        on, as does one whose steps have vouched for it (None). Unless its steps measured
+        it slow, the level is tried again later (the guard is no verdict on it)."""
         t = self.state.trial
         if t is None or t.stuck or self.trial_vouched():
             return None
+        if not self._trial_evidence()[1]:
+            self.state.aborted_s[t.tried] = now_s
         self.state.trial = None
         return t.tried, t.before
 
@@ -311,9 +324,11 @@ class QuantTimescale(Part):
         theirs = self._best_for(ask, t.before, True, t.tried)
         score = ask.outlook.score
         if theirs is not None and (mine is None or score(theirs) <= score(mine)):
-            if t.measured_s > t.expected_s > 0.0:
-                # Slower than the level before, if not by enough to end the trial early:
-                # the table that ranked it faster is wrong here too.
+            if t.measured_s > t.expected_s > 0.0 and t.batch_max >= p.quant_table_batch_min:
+                # Slower than the level before, if not by enough to end the trial early,
+                # at batches like the table's: the table that ranked it faster is wrong
+                # here too. (At smaller batches a step's fixed cost decides, which the
+                # table's batch-16 speed does not claim to rank.)
                 s.slow_here_s[t.tried] = ask.now_s
             return self._switch(ask, theirs, f"the trial of {t.tried} predicts no gain")
         if mine is None and theirs is None:
@@ -440,7 +455,14 @@ class QuantTimescale(Part):
         unexplored = [
             lv
             for lv in allowed
-            if lv != level and lv not in s.explored and lv not in self.learner.step_models
+            if lv != level
+            and (
+                (lv not in s.explored and lv not in self.learner.step_models)
+                or (
+                    not self.learner.trained(lv)
+                    and now_s - s.aborted_s.get(lv, math.inf) >= p.quant_peak_window_s
+                )
+            )
         ]
         what = "never measured here"
         if stuck and not any(self.table.faster(lv, level) for lv in unexplored):
@@ -500,6 +522,7 @@ class QuantTimescale(Part):
         ):
             return None
         target = sorted(unexplored, key=self.table.order)[0]
+        s.aborted_s.pop(target, None)
         if target in s.explored:
             s.retried_s[target] = now_s
         s.explored.add(target)

@@ -93,7 +93,11 @@ class ControllerParams:
     power_limit_margin x budget; a reading within power_noise_tolerance over the budget is
     noise. Guards: a latency guard raises the clock by guard_clock_steps candidates, or to the
     lowest clock predicted to prefill the waiting queue within slo_margin x the TTFT SLO (at
-    most every guard_cooldown_s), and holds that floor for guard_hold_s; a power guard lowers
+    most every guard_cooldown_s), and holds that floor for guard_hold_s; a running batch of at
+    least guard_cap_share x the engine's largest max_num_seqs that grew guard_rise_factor x over
+    the last guard_rise_ticks observations (a burst filling the engine) takes the top clock the
+    budget allows and no pacing at once, where the board limit holds the budget; a power guard
+    lowers
     the clock at once and holds that ceiling for power_hold_s (anti-windup; doubled up to
     power_hold_max_s when it fires again soon, and for power_hold_max_s after it fires the board
     limit is not trusted to hold the budget), released once power is under power_release_margin
@@ -123,6 +127,9 @@ class ControllerParams:
     power_margin: float = 0.95
     power_limit_margin: float = 0.98
     guard_clock_steps: int = 3
+    guard_cap_share: float = 0.75
+    guard_rise_ticks: int = 8
+    guard_rise_factor: float = 1.3
     guard_cooldown_s: float = 1.0
     guard_hold_s: float = 10.0
     power_hold_s: float = 5.0

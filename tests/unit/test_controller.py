@@ -23,6 +23,7 @@ from controller.controller import (
     candidate_clocks,
 )
 from controller.policy import ControlMode, Knobs, Objective, Policy, QuantOption
+from controller.quant import Trial
 from controller.signals import (
     DeviceConstraints,
     EngineConstraints,
@@ -761,6 +762,28 @@ def test_a_trial_level_measured_much_slower_than_its_table_says_is_left_at_once(
     assert all(d.knobs.quant_level == "fp32" for d in after)
 
 
+def test_a_trial_step_is_judged_with_the_context_cost_folded_in():
+    # The level before's fit traded its context cost's clock stretch against the decode
+    # cost's (the counts move together), as fp32's did on the engine model's steady 80 %:
+    # each cost clipped on its own drops the context cost (flat at the mean stretch it
+    # goes negative). The trial's steps, 0.7 x what that level's steps take, are faster.
+    ctl = trial_controller(TABLE_BF16_THEN_INT8)
+    before = ctl.learner.step_model("fp32")
+    before.rls.theta = [0.0129, 0.0756, 0.001, 0.0092, -0.002, 0.0233, 0.0134, -0.0073]
+    before.rls.updates = ctl.params.learning_min_steps
+    before.stretch_mean = 1.35
+    ctl.quant.state.trial = Trial("bf16", "fp32", stuck=False, started_s=0.0)
+    per_decode = 7480 / 45
+    fp32_s = before.coefficients(1980, per_decode).step_s(20, 45, 7480)
+    assert fp32_s > 0.09  # about what fp32's steps took there (95 ms)
+    for i in range(4):
+        step = StepRecord(float(i), 0.7 * fp32_s, 20, 45, 7480, "bf16", 1980)
+        ctl.quant.judge_trial_step(step, 1980)
+    enough, slow = ctl.quant._trial_evidence()
+    assert not slow
+    assert ctl.quant.state.trial.measured_s == pytest.approx(0.7 * ctl.quant.state.trial.expected_s)
+
+
 @pytest.mark.parametrize("int8_prefill_tok_s", [None, 2000.0, 300.0])
 def test_a_level_whose_table_prefill_is_much_slower_is_not_tried(int8_prefill_tok_s):
     # The table has int8 decoding twice as fast as fp32; its prefill figure decides: not
@@ -810,6 +833,34 @@ def test_a_latency_guard_ends_a_calm_trial_only_before_its_steps_vouch_for_it():
     assert d.reason_code is Reason.SLO_MISS and "aborted" not in d.reason
     assert d.knobs.quant_level == "int8" and ctl.quant.exploring == ("int8", "fp32")
     assert d.changed == ("sm_clock_mhz",)  # the guard raised the clock, and only that
+
+
+def test_a_calm_trial_a_latency_guard_ended_is_tried_again_later():
+    # The guard ended int8's trial before its steps judged it: no verdict on int8, whose
+    # model stays untrained. It is tried again, once quant_peak_window_s has passed.
+    ctl, d = _guard_during_a_trial(vouched=False)
+    assert "trial of int8 aborted" in d.reason
+    assert not ctl.learner.trained("int8")
+    aborted_at = d.at_s
+    plant = calm_plant({"fp32": 1.0, "int8": 1.0})
+    plant.t_s = aborted_at
+    decisions = run(ctl, plant, 200)
+    again = [d for d in decisions if d.reason_code is Reason.QUANT_EXPLORE]
+    assert again and again[0].knobs.quant_level == "int8"
+    assert again[0].at_s - aborted_at >= ctl.params.quant_peak_window_s
+
+
+def test_a_trial_slower_only_at_small_batches_does_not_bar_the_table_s_level():
+    # A calm trial of int8 (twice fp32's speed at batch 16 by the table) runs small
+    # batches, where its steps measure a little slower than fp32's: kept as fp32, but not
+    # marked slow here, so where batches like the table's run it may switch by the table.
+    ctl = trial_controller(TABLE_INT8_TWICE_AS_FAST)
+    plant = calm_plant({"fp32": 1.0, "int8": 1.1})
+    decisions = run(ctl, plant, 240)
+    ended = [d for d in decisions if "the trial of int8 predicts no gain" in d.reason]
+    assert ended, "the trial was expected to end on its prediction"
+    assert ctl.learner.running_peak < ctl.params.quant_table_batch_min
+    assert "int8" not in ctl.quant.state.slow_here_s
 
 
 def test_after_a_trial_proves_the_table_wrong_no_escape_trials_under_load():
@@ -1039,7 +1090,10 @@ def test_decode_pacing_at_a_light_load_saves_energy_within_the_tpot_slo():
 
 
 def test_a_tpot_miss_turns_decode_pacing_off_at_once():
-    ctl = make_controller(decode_interval_max_ms=1000.0)
+    # Twelve times longer steps also swell the running batch towards the engine's cap,
+    # whose guard would turn pacing off first: here only the TPOT miss may.
+    no_cap_guard = ControllerParams(guard_cap_share=2.0)
+    ctl = make_controller(decode_interval_max_ms=1000.0, params=no_cap_guard)
     plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
     run(ctl, plant, 90)
     assert ctl.knobs.decode_interval_ms > 0
@@ -1084,3 +1138,38 @@ def test_the_decode_interval_is_clamped_to_the_engine_s_longest():
     plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0)
     decisions = run(ctl, plant, 5)
     assert {d.knobs.decode_interval_ms for d in decisions} == {100.0}
+
+
+def _cap_guard_after(running_before: int, running_now: int):
+    """The latency guard's verdict on a paced, low-clock controller whose running batch
+    went from running_before to running_now (of the engine's 64) over the last 2 s, with
+    nothing waiting and no latency measured late."""
+    ctl = make_controller(decode_interval_max_ms=1000.0)
+    plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
+    run(ctl, plant, 30)
+    paced = ctl.knobs.with_changes(sm_clock_mhz=LADDER[10], decode_interval_ms=80.0)
+    ticks = ctl.params.guard_rise_ticks
+    for i in range(ticks + 1):
+        ctl.latency_guard.note_queue(0, running_before if i < ticks else running_now)
+    telemetry, stats = plant.tick(paced)
+    stats = dataclasses.replace(stats, num_running=running_now, num_waiting=0, ttft_s=(), tpot_s=())
+    ctl.latency_guard.state.last_fired_s = -math.inf
+    return ctl.latency_guard.check(
+        telemetry, stats, paced, ctl.outlook(plant.t_s), None, 400.0, ctl.learner.workload.current()
+    )
+
+
+def test_a_running_batch_rising_towards_the_engine_cap_takes_the_top_clock_unpaced():
+    # A burst: the batch doubled in 2 s to 3/4 of the engine's cap. Once it reaches the
+    # cap every arrival queues for a slot, so the guard acts before anyone waits.
+    choice = _cap_guard_after(24, 50)
+    assert choice is not None and choice.code is Reason.QUEUE_GROWTH
+    assert choice.knobs.sm_clock_mhz == LADDER[-1] and choice.knobs.decode_interval_ms == 0.0
+    assert "running at the engine's cap" in choice.reason
+
+
+@pytest.mark.parametrize("before, now", [(50, 50), (24, 30)])
+def test_a_steady_large_batch_or_a_small_rise_leaves_the_clock_to_the_optimizer(before, now):
+    # A batch as large that has not risen (a steady high load), or one that rose but is
+    # far from the cap, is not a burst: no guard.
+    assert _cap_guard_after(before, now) is None
