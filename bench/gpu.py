@@ -790,7 +790,8 @@ def _serving(loaded, target: Target, args) -> dict:
         def build() -> Engine:
             return Engine(loaded, EngineOptions.from_config(cfg.engine), target.device)
 
-        with in_process_daemon(cfg, build) as (url, model):
+        with in_process_daemon(cfg, build) as (daemon, url):
+            model = daemon.state.served_model_name
             timeout_s = SERVE_REQUEST_TIMEOUT_S
             asyncio.run(run_workload(url, model, warm_specs, None, timeout_s))
             results, duration_s = asyncio.run(run_workload(url, model, specs, None, timeout_s))

@@ -368,20 +368,28 @@ class ManagedServer:
 
 
 @contextlib.contextmanager
-def in_process_daemon(cfg, build_engine, start_timeout_s: float = READY_TIMEOUT_S):
+def in_process_daemon(
+    cfg,
+    build_engine,
+    environ: dict[str, str] | None = None,
+    start_timeout_s: float = READY_TIMEOUT_S,
+    expect_exit_code: int = 0,
+):
     """The daemon `wattserve serve` runs (its HTTP API, engine loop, device sampler and
     control loop as cfg says), in this process on a free loopback port, serving an engine
-    the caller builds (on a GPU, say). Yields (base URL, served model name); leaving drains
-    and stops it and raises if it did not exit 0."""
+    the caller builds (on a GPU, say; the tests' tiny models). Yields (the Daemon, its base
+    URL); leaving drains and stops it and raises RuntimeError if it did not stop with
+    expect_exit_code. The only difference from `wattserve serve`: no signal handlers (they
+    only work on the main thread)."""
     from daemon.api.state import Phase
     from daemon.server import Daemon, bind_socket
 
-    daemon = Daemon(cfg, build_engine=build_engine, environ={})
+    daemon = Daemon(cfg, build_engine=build_engine, environ=environ or {})
     sock = bind_socket("127.0.0.1", 0)
     codes: list[int] = []
     thread = threading.Thread(
         target=lambda: codes.append(asyncio.run(daemon.run(sock, install_signals=False))),
-        name="bench-daemon",
+        name="in-process-daemon",
         daemon=True,
     )
     thread.start()
@@ -389,12 +397,14 @@ def in_process_daemon(cfg, build_engine, start_timeout_s: float = READY_TIMEOUT_
         if not daemon.ready.wait(start_timeout_s) or daemon.state.phase is not Phase.READY:
             raise RuntimeError(f"daemon did not become ready ({daemon.state.phase.value})")
         host, port = daemon.address  # type: ignore[misc]
-        yield f"http://{host}:{port}", daemon.state.served_model_name
+        yield daemon, f"http://{host}:{port}"
     finally:
         daemon.request_shutdown()
         thread.join(STOP_TIMEOUT_S)
-    if thread.is_alive() or codes != [0]:
-        raise RuntimeError(f"daemon did not stop cleanly (exit codes {codes})")
+    if thread.is_alive() or codes != [expect_exit_code]:
+        raise RuntimeError(
+            f"daemon did not stop cleanly (exit codes {codes}, expected {expect_exit_code})"
+        )
 
 
 def warm_up(url: str, model: str) -> None:

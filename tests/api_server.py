@@ -1,27 +1,25 @@
 """Run a real wattserve Daemon (uvicorn on a random loopback port) in a thread, for tests.
 
-The daemon is the one `wattserve serve` runs, minus signal handlers (those only work on
-the main thread) and with the engine built from an already loaded test model. Leaving
-the context drains and stops it, and checks that it exited 0 (or expect_exit_code).
+The daemon is the one `wattserve serve` runs, through bench.serve.in_process_daemon (no
+signal handlers: those only work on the main thread), with the engine built from an
+already loaded test model. Leaving the context drains and stops it, and raises unless it
+exited 0 (or expect_exit_code).
 """
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from daemon.api.state import Phase
+from bench.serve import in_process_daemon
 from daemon.config import Config, load_config
 from daemon.engine.engine import Engine, EngineOptions
 from daemon.engine.loader import LoadedModel
-from daemon.server import Daemon, bind_socket
+from daemon.server import Daemon
 
 START_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -70,22 +68,8 @@ def running_server(
             before_start(engine)
         return engine
 
-    daemon = Daemon(cfg, build_engine=build, environ=environ or {})
-    sock = bind_socket("127.0.0.1", 0)
-    codes: list[int] = []
-    thread = threading.Thread(
-        target=lambda: codes.append(asyncio.run(daemon.run(sock, install_signals=False))),
-        name="test-daemon",
-        daemon=True,
-    )
-    thread.start()
-    try:
-        assert daemon.ready.wait(START_TIMEOUT_S), "daemon did not become ready"
-        assert daemon.state.phase is Phase.READY, f"daemon failed to start: {daemon.state.phase}"
-        host, port = daemon.address  # type: ignore[misc]
-        yield RunningServer(daemon, f"http://{host}:{port}")
-    finally:
-        daemon.request_shutdown()
-        thread.join(STOP_TIMEOUT_S)
-    assert not thread.is_alive(), "daemon did not stop"
-    assert codes == [expect_exit_code], f"daemon exit code {codes}"
+    with in_process_daemon(cfg, build, environ, START_TIMEOUT_S, expect_exit_code) as (
+        daemon,
+        base_url,
+    ):
+        yield RunningServer(daemon, base_url)
