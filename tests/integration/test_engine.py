@@ -47,6 +47,13 @@ def block_bytes(loaded, block_size=16) -> int:
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim * 4
 
 
+def engine_with_blocks(loaded, blocks: int, **options) -> Engine:
+    """An engine on the CPU whose KV pool holds `blocks` blocks; options as EngineOptions."""
+    return Engine(
+        loaded, EngineOptions(kv_cache_bytes=blocks * block_bytes(loaded), **options), device=DEVICE
+    )
+
+
 def recording(engine: Engine) -> list:
     """Wrap the scheduler so the test can see every plan the engine ran."""
     plans = []

@@ -10,26 +10,24 @@ prefix cache.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from daemon.engine import engine as engine_module
-from daemon.engine.engine import Engine, EngineOptions
+from daemon.engine.engine import Engine
 from daemon.engine.request import RequestOutput, SamplingParams
-from tests.integration.test_engine import GREEDY, block_bytes, hf_greedy, prompts_for, recording
+from tests.integration.test_engine import (
+    GREEDY,
+    engine_with_blocks,
+    hf_greedy,
+    prompts_for,
+    recording,
+)
 
-DEVICE = torch.device("cpu")
 PROMPT = [7, 8, 9, 10]
 LONG = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
 
 
 def make_engine(loaded, overlap: bool, blocks: int = 64, **options) -> Engine:
-    return Engine(
-        loaded,
-        EngineOptions(
-            kv_cache_bytes=blocks * block_bytes(loaded), overlap_detokenize=overlap, **options
-        ),
-        device=DEVICE,
-    )
+    return engine_with_blocks(loaded, blocks, overlap_detokenize=overlap, **options)
 
 
 def test_the_default_is_on_for_cuda_only(tiny_llama):

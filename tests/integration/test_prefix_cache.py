@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 import random
 
-from daemon.engine.engine import Engine, EngineOptions
+from daemon.engine.engine import Engine
 from daemon.engine.request import RequestOutput, SamplingParams
-from tests.integration.test_engine import block_bytes
-
-DEVICE = "cpu"  # the engine is always given its device explicitly
+from tests.integration.test_engine import engine_with_blocks
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -29,13 +27,7 @@ def shared_prefix_prompts(vocab: int, n: int = 10, seed: int = 5) -> list[list[i
 
 
 def engine(loaded, caching: bool, blocks: int = 128, **options) -> Engine:
-    return Engine(
-        loaded,
-        EngineOptions(
-            kv_cache_bytes=blocks * block_bytes(loaded), enable_prefix_caching=caching, **options
-        ),
-        device=DEVICE,
-    )
+    return engine_with_blocks(loaded, blocks, enable_prefix_caching=caching, **options)
 
 
 def test_shared_prefix_greedy_outputs_match_without_cache(tiny_llama):

@@ -11,14 +11,12 @@ import pytest
 import torch
 
 from bench.quant import sequence_logits
-from daemon.engine.engine import Engine, EngineOptions
+from daemon.engine.engine import Engine
 from daemon.engine.loader import load_model
 from daemon.engine.request import RequestOutput, SamplingParams
-from tests.integration.test_engine import block_bytes, prompts_for
+from tests.integration.test_engine import engine_with_blocks, prompts_for
 from wattserve_kernels.int_linear import int_linear_available
 from wattserve_kernels.quant import QuantLevelError
-
-DEVICE = torch.device("cpu")  # the engine is always given its device explicitly
 
 QUANT_LEVELS = ("int8", "int4", "int4-g128")
 ALL_LEVELS = ("fp32", "bf16") + QUANT_LEVELS
@@ -39,9 +37,7 @@ def tiny_qwen2(tiny_dirs, cache_dir):
 
 def make_engine(loaded, blocks: int = 64, **options) -> Engine:
     options.setdefault("quantization_levels", ALL_LEVELS)
-    return Engine(
-        loaded, EngineOptions(kv_cache_bytes=blocks * block_bytes(loaded), **options), device=DEVICE
-    )
+    return engine_with_blocks(loaded, blocks, **options)
 
 
 def dequantized_hf(hf_model, weights):
