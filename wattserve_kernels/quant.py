@@ -282,9 +282,9 @@ def _round_up(value: int, multiple: int) -> int:
 # ---- the linears ---------------------------------------------------------------------
 
 
-def _int_kernel_here(weight: torch.Tensor) -> bool:
-    """Whether a linear of this weight runs the integer kernel (CPU, built with VNNI)."""
-    return weight.device.type == "cpu" and int_linear_available()
+def _int_kernel_here(device: torch.device) -> bool:
+    """Whether int8/int4 linears on `device` run the integer kernel (CPU, built with VNNI)."""
+    return device.type == "cpu" and int_linear_available()
 
 
 class _WeightOnlyLinear:
@@ -306,7 +306,7 @@ class _WeightOnlyLinear:
     int_weights: IntWeights | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int_weights is not None and x.dtype in (torch.float32, torch.bfloat16):
+        if self.int_weights is not None:  # the op refuses other dtypes with a reason
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return int_linear(x.contiguous(), self.int_weights, bias)
         xb = x.to(torch.bfloat16)
@@ -342,7 +342,7 @@ class Int8Linear(_WeightOnlyLinear):
         on_cpu = weight.device.type == "cpu"
         self.bias = None if bias is None else bias.detach()
         self.nbytes = int8_linear_nbytes(self.out_features, self.in_features, on_cpu)
-        if _int_kernel_here(weight):
+        if _int_kernel_here(weight.device):
             # codes q + 128 (0 weights in the padding), one scale group per row
             self.padded_out = _round_up(self.out_features, _INT_KERNEL_N_MULTIPLE)
             self.padded_in = _round_up(self.in_features, _INT_KERNEL_K_MULTIPLE)
@@ -412,7 +412,7 @@ class Int4Linear(_WeightOnlyLinear):
         q, scales, zeros = quantize_int4(w, group_size)  # [Np, Kp], [Np, Kp/G] x2
         self.bias = None if bias is None else bias.detach()
         self.nbytes = int4_linear_nbytes(self.out_features, self.in_features, group_size)
-        if _int_kernel_here(weight):
+        if _int_kernel_here(weight.device):
             self.int_weights = pack_codes(q, scales, zeros, 4, group_size, self.out_features)
             return
         # [Kp/G, Np, 2]: the kernels' scale-and-zero layout
@@ -528,7 +528,7 @@ class CastLinear:
 def int8_linear_nbytes(out_features: int, in_features: int, on_cpu: bool = True) -> int:
     """Bytes an Int8Linear holds: int8 codes (in-features padded on CPU) + bf16 scales
     (and bf16 zeros, with both dims padded, in the integer kernel's layout)."""
-    if on_cpu and int_linear_available():
+    if on_cpu and _int_kernel_here(torch.device("cpu")):
         n = _round_up(out_features, _INT_KERNEL_N_MULTIPLE)
         return n * _round_up(in_features, _INT_KERNEL_K_MULTIPLE) + n * 2 * 2
     k = _round_up(in_features, _CPU_INT8_K_MULTIPLE if on_cpu else 1)

@@ -150,7 +150,7 @@ def cpu_path(request, monkeypatch):
         if not quant.int_linear_available():
             pytest.skip("the integer kernel needs AVX-512 VNNI and the built C++ kernels")
     else:
-        monkeypatch.setattr(quant, "_int_kernel_here", lambda weight: False)
+        monkeypatch.setattr(quant, "_int_kernel_here", lambda device: False)
     return request.param
 
 
