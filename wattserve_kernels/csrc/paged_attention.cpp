@@ -28,7 +28,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -64,6 +69,93 @@ struct WorkItem {
 // block: eight independent accumulator chains keep both FMA ports busy.
 constexpr int64_t kRowGroup = 8;
 constexpr int64_t kBlock = 16;  // the tiled path's block size (the engine's default)
+
+#if defined(__AVX512F__)
+// Vector helpers of the tiled and decode paths (float32 and bfloat16 caches).
+
+template <typename scalar_t>
+inline __m512 load16(const scalar_t* p);
+
+template <>
+inline __m512 load16<float>(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+
+template <>
+inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// a[o] holds partial sums of key o's score; returns the vector whose lane o is their total.
+inline __m512 fold16(const __m512* a) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: keys 4i .. 4i+3, one partial each
+    const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
+                                 _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
+                                 _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v, w, 0x88), _mm512_shuffle_f32x4(v, w, 0xDD));
+}
+
+// exp_approx (fast_exp.h), 16 lanes at a time.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  const __m512i bits =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// One row's online-softmax step over a block: s holds its 16 scores, valid the keys it
+// may see (the causal bound, the context's end: other lanes may hold anything and are set,
+// not computed with); folds them into the running max m and sum l and adds the value rows
+// (vb, token_stride apart) into acc_row, rescaled by the change of max.
+template <typename scalar_t, int D>
+inline void row_update(__m512 s, __mmask16 valid, int64_t n, float& m, float& l, float* acc_row,
+                       const scalar_t* vb, int64_t token_stride) {
+  constexpr int C = D / 16;  // vectors per head row
+  s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), s);
+  const float mx = std::max(m, _mm512_reduce_max_ps(s));
+  const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
+  alignas(64) float p[kBlock];
+  _mm512_store_ps(p, e);
+  // The first block: m is -inf, and there is nothing to rescale.
+  const float corr =
+      m == -std::numeric_limits<float>::infinity() ? 0.f : wattserve::exp_approx(m - mx);
+  l = l * corr + _mm512_reduce_add_ps(e);
+  m = mx;
+  __m512 out[C];
+  const __m512 cv = _mm512_set1_ps(corr);
+  for (int c = 0; c < C; ++c) out[c] = _mm512_mul_ps(_mm512_loadu_ps(acc_row + 16 * c), cv);
+  for (int64_t o = 0; o < n; ++o) {
+    const scalar_t* vr = vb + o * token_stride;
+    const __m512 po = _mm512_set1_ps(p[o]);
+    for (int c = 0; c < C; ++c) out[c] = _mm512_fmadd_ps(po, load16(vr + 16 * c), out[c]);
+  }
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc_row + 16 * c, out[c]);
+}
+
+template <typename scalar_t>
+constexpr bool kVectorTypes =
+    std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>;
+#endif  // __AVX512F__
 
 // The tiled path: per key block, the block's keys are transposed once into kt[D][16] so
 // that a row's 16 scores are one vector accumulated over D, exponentials are computed 16
@@ -106,6 +198,13 @@ void tiled_item(const float* qf, int64_t rows_padded, int64_t rows, int64_t G,
         const int64_t row = g0 + r;
         const int64_t n = std::min(kBlock, first_row_pos + row / G - base + 1);  // causal
         if (n <= 0) continue;
+#if defined(__AVX512F__)
+        if constexpr (kVectorTypes<scalar_t>) {
+          row_update<scalar_t, D>(_mm512_load_ps(s[r]), static_cast<__mmask16>((1u << n) - 1u),
+                                  n, m[row], l[row], acc + row * D, vb, token_stride);
+          continue;
+        }
+#endif
         float mx = m[row];
         for (int64_t o = 0; o < n; ++o) mx = std::max(mx, s[r][o]);
         alignas(64) float p[kBlock];
@@ -135,6 +234,77 @@ void tiled_item(const float* qf, int64_t rows_padded, int64_t rows, int64_t G,
         m[row] = mx;
         l[row] = l[row] * corr + sum;
       }
+    }
+  }
+}
+
+
+
+#if defined(__AVX512F__)
+// The decode path (one query token per item, the engine's 16-token blocks, head dim 64 or
+// 128, up to 8 query heads per KV head). Decode attention reads each K/V row once for a
+// handful of query rows, so it is bound by memory, not arithmetic: each row's 16 scores
+// come from 16 dot products folded into one vector by a shuffle tree (no transposed copy
+// of the block, no padding rows), and the next block's rows are prefetched while this one
+// is computed (a block table scatters blocks across the pool, which defeats the hardware
+// prefetcher at every block edge).
+constexpr int kDecodeMaxG = 8;
+
+// One decode item: G query rows (qf, scaled, G x D) against ctx keys of one KV head.
+// Leaves the unnormalized outputs in acc (G x D) and the softmax sums in l.
+template <typename scalar_t, int D>
+void decode_item(const float* qf, int G, int64_t ctx, const scalar_t* kp, const scalar_t* vp,
+                 const int64_t* table, int64_t token_stride, int64_t block_stride,
+                 int64_t kv_head, float* acc, float* l) {
+  constexpr int C = D / 16;  // vectors per head row
+  constexpr int kLine = 64 / sizeof(scalar_t);  // elements per cache line
+  float m[kDecodeMaxG];
+  for (int r = 0; r < G; ++r) {
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.f;
+    for (int i = 0; i < D; ++i) acc[r * D + i] = 0.f;
+  }
+  const int64_t nblocks = (ctx + kBlock - 1) / kBlock;
+  for (int64_t j = 0; j < nblocks; ++j) {
+    const int64_t nk = std::min<int64_t>(kBlock, ctx - j * kBlock);
+    const scalar_t* kb = kp + table[j] * block_stride + kv_head * D;
+    const scalar_t* vb = vp + table[j] * block_stride + kv_head * D;
+    if (j + 1 < nblocks) {
+      const scalar_t* kn = kp + table[j + 1] * block_stride + kv_head * D;
+      const scalar_t* vn = vp + table[j + 1] * block_stride + kv_head * D;
+      for (int64_t o = 0; o < kBlock; ++o)
+        for (int c = 0; c < D; c += kLine) {
+          _mm_prefetch(reinterpret_cast<const char*>(kn + o * token_stride + c), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(vn + o * token_stride + c), _MM_HINT_T0);
+        }
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << nk) - 1u);
+    for (int r = 0; r < G; ++r) {
+      __m512 q[C];
+      for (int c = 0; c < C; ++c) q[c] = _mm512_loadu_ps(qf + r * D + 16 * c);
+      __m512 a[kBlock];
+      for (int64_t o = 0; o < kBlock; ++o) {
+        const scalar_t* kr = kb + o * token_stride;
+        __m512 s = _mm512_mul_ps(q[0], load16(kr));
+        for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(q[c], load16(kr + 16 * c), s);
+        a[o] = s;
+      }
+      row_update<scalar_t, D>(fold16(a), valid, nk, m[r], l[r], acc + r * D, vb, token_stride);
+    }
+  }
+}
+#endif  // __AVX512F__
+
+// An item's normalized outputs into out: row i * G + h is query token i's head h.
+template <typename scalar_t>
+void write_rows(const WorkItem& it, scalar_t* op, const int64_t* qs, int64_t H, int64_t G,
+                int64_t D, const float* acc, const float* l) {
+  for (int64_t i = 0; i < it.q_end - it.q_begin; ++i) {
+    scalar_t* dst = op + ((qs[it.seq] + it.q_begin + i) * H + it.kv_head * G) * D;
+    for (int64_t h = 0; h < G; ++h) {
+      const int64_t r = i * G + h;
+      const float inv = 1.f / l[r];
+      for (int64_t k = 0; k < D; ++k) dst[h * D + k] = static_cast<scalar_t>(acc[r * D + k] * inv);
     }
   }
 }
@@ -194,6 +364,20 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       std::fill(l.begin(), l.begin() + rows, 0.f);
       const int64_t last_pos = first_pos + it.q_end - 1;
       const int64_t* table = bt + it.seq * NB;
+#if defined(__AVX512F__)
+      if constexpr (kVectorTypes<scalar_t>) {
+        if (tiled && nq == 1 && G <= kDecodeMaxG) {
+          if (D == 64)
+            decode_item<scalar_t, 64>(qf.data(), G, cl[it.seq], kp, vp, table, token_stride,
+                                      block_stride, it.kv_head, acc.data(), l.data());
+          else
+            decode_item<scalar_t, 128>(qf.data(), G, cl[it.seq], kp, vp, table, token_stride,
+                                       block_stride, it.kv_head, acc.data(), l.data());
+          write_rows(it, op, qs, H, G, D, acc.data(), l.data());
+          continue;
+        }
+      }
+#endif
       if (tiled) {
         const int64_t rows_padded = (rows + kRowGroup - 1) / kRowGroup * kRowGroup;
         std::fill(qf.begin() + rows * D, qf.begin() + rows_padded * D, 0.f);
@@ -238,15 +422,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           }
         }
       }
-      for (int64_t i = 0; i < it.q_end - it.q_begin; ++i) {
-        scalar_t* dst = op + ((qs[it.seq] + it.q_begin + i) * H + it.kv_head * G) * D;
-        for (int64_t h = 0; h < G; ++h) {
-          const int64_t r = i * G + h;
-          const float inv = 1.f / l[r];
-          for (int64_t k = 0; k < D; ++k)
-            dst[h * D + k] = static_cast<scalar_t>(acc[r * D + k] * inv);
-        }
-      }
+      write_rows(it, op, qs, H, G, D, acc.data(), l.data());
     }
   });
 }
