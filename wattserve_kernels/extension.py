@@ -26,7 +26,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("paged_attention.cpp", "fused_rows.cpp", "int_linear.cpp")
+_SOURCES = ("paged_attention.cpp", "fused_rows.cpp", "int_linear.cpp", "dense_linear.cpp")
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU build; without it the kernel runs
 # on one thread whatever torch.get_num_threads() says.
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
@@ -113,6 +113,10 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("wattserve::int_linear")
     def _(x, packed, scales, zeros, bits, group_size, out_features, bias):
+        return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("wattserve::dense_linear")
+    def _(x, packed, bias, out_features):
         return x.new_empty(x.shape[0], out_features)
 
     @torch.library.register_fake("wattserve::silu_mul")

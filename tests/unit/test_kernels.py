@@ -17,7 +17,7 @@ from wattserve_kernels.attention import (
     write_kv,
 )
 from wattserve_kernels.extension import load_cpu_kernels
-from wattserve_kernels.linear import Linear
+from wattserve_kernels.linear import Linear, dense_linear_available, pack_dense
 from wattserve_kernels.norm_rope import (
     RotaryTable,
     add_rms_norm,
@@ -258,6 +258,35 @@ def test_linear_matches_f_linear(tokens, bias):
     b = torch.randn(96, generator=g) if bias else None
     x = torch.randn(tokens, 80, generator=g)
     torch.testing.assert_close(Linear(w, b)(x), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("out_features,in_features", [(50, 40), (8, 3), (64, 33)])
+@pytest.mark.parametrize("tokens", [1, 13, 25, 37])
+def test_dense_kernel_matches_f_linear_on_partial_panels(out_features, in_features, tokens):
+    # Output counts that end inside a 32-column panel (both halves, or the first only) and
+    # row counts that split into unequal register tiles.
+    g = torch.Generator().manual_seed(out_features * 100 + tokens)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g)
+    x = torch.randn(tokens, in_features, generator=g)
+    layer = Linear(w, b)
+    assert layer.kind == "dense"
+    torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(Linear(w)(x), F.linear(x, w), atol=1e-4, rtol=1e-4)
+
+
+def test_dense_kernel_serves_float32_here_and_refuses_bad_arguments():
+    # make test runs on an AVX-512 machine: the fast path must really be the one tested.
+    assert dense_linear_available()
+    w = torch.randn(40, 16)
+    packed = pack_dense(w)
+    assert packed.shape == (2, 16, 32) and torch.equal(packed[1, :, 8:], torch.zeros(16, 24))
+    with pytest.raises(RuntimeError, match="features"):
+        torch.ops.wattserve.dense_linear(torch.randn(2, 15), packed, None, 40)
+    with pytest.raises(RuntimeError, match="out_features"):
+        torch.ops.wattserve.dense_linear(torch.randn(2, 16), packed, None, 80)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.wattserve.dense_linear(torch.randn(2, 16).bfloat16(), packed, None, 40)
 
 
 def test_linear_bf16_matches_f_linear():
