@@ -241,6 +241,8 @@ class ControlLoop:
         self._quant_requested: str | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        # Set by set_policy() and stop(): the thread's wait ends and it ticks (or stops) now.
+        self._wake = threading.Event()
         self.apply_failures: dict[str, int] = {}
         # Iterations of the loop thread, failed ticks included: the systemd watchdog's
         # progress counter (it watches for a hung thread; failures are logged).
@@ -332,9 +334,14 @@ class ControlLoop:
             self.record_tpot_s(event.tpot_s)
 
     def set_policy(self, policy: Policy) -> None:
-        """The one path for policy changes (config, HTTP, MQTT); effective at the next tick."""
+        """The one path for policy changes (config, HTTP, MQTT). It wakes the loop's thread,
+        which decides on it at once rather than at the next period: a budget cut waiting a
+        period runs the GPU at a clock chosen for the old budget meanwhile. A caller driving
+        tick() itself (a benchmark in simulated time) ticks after a policy change likewise.
+        """
         with self._lock:
             self.controller.set_policy(policy)
+        self._wake.set()
 
     def set_manual_knobs(self, knobs: Knobs) -> Knobs:
         with self._lock:
@@ -557,30 +564,42 @@ class ControlLoop:
         if self._thread is not None:
             raise RuntimeError("control loop already started")
         self._stop.clear()
+        self._wake.clear()
         self._thread = threading.Thread(target=self._run, name="wattserve-control", daemon=True)
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
 
     def _run(self) -> None:
         next_s = self._clock()
-        while not self._stop.is_set():
+        woken = False
+        while True:
+            # Cleared before the stop check and the tick: a stop or a policy set after this
+            # ends the wait below at once.
+            self._wake.clear()
+            if self._stop.is_set():
+                break
             try:
                 self.tick()
             except Exception:  # keep controlling; the next tick starts afresh
                 log.exception("control loop: tick failed")
             self.ticks += 1
-            next_s += self.period_s
             now = self._clock()
-            if next_s < now:
-                next_s = now
+            # A tick a policy change woke before its time leaves the period's schedule as
+            # it was.
+            if not woken or now >= next_s:
+                next_s += self.period_s
+                if next_s < now:
+                    next_s = now
             wait_s = max(0.0, next_s - now)
             if self._sleep is None:
-                self._stop.wait(wait_s)
+                # Ends early on a policy change (or stop): the next tick is now.
+                woken = self._wake.wait(wait_s)
             else:
                 self._sleep(wait_s)
 

@@ -156,7 +156,8 @@ def _run(
         if now >= end_s or (now >= scenario.duration_s and not engine.has_work()):
             break
         b = scenario.budget_w(now)
-        if b != budget:
+        woken = b != budget
+        if woken:
             budget = b
             system.set_budget_w(b)
         a = scenario.ambient_c(now)
@@ -175,14 +176,18 @@ def _run(
             reported += 1
             if r.tpot_s is not None and r.generated > 1:
                 system.record_tpot_s(r.tpot_s)
-        if now >= next_tick:
+        periodic = now >= next_tick
+        # As a policy change wakes the daemon's loop (ControlLoop.set_policy): a system
+        # decides on a new budget now, not up to a period later; the period's ticks stand.
+        if periodic or woken:
             knobs = system.tick()
+        if periodic:
             next_tick += PERIOD_S
             if next_tick < now:
                 next_tick = now + PERIOD_S
         stats = engine.step()
         if stats is None:
-            upcoming = [next_tick, end_s]
+            upcoming = [next_tick, end_s, *(t for t in scenario.budget_steps_s if t > now)]
             if next_req < len(reqs):
                 upcoming.append(reqs[next_req].arrival_s)
             if (resume := engine.resume_at_s()) is not None:

@@ -204,6 +204,29 @@ def test_a_budget_change_through_set_policy_acts_at_the_next_tick():
     assert ("set_power_limit_w", 245.0) in device.calls
 
 
+def test_a_policy_change_wakes_the_loop_thread_to_decide_at_once():
+    loop, engine, device, clock = make_loop(ControlMode.AUTO, power_w=300.0)
+    loop.period_s = 3600.0  # the clock stands still: the next periodic tick is an hour away
+    budgets: list[float] = []
+    ticked = threading.Semaphore(0)
+
+    def sink(d) -> None:
+        budgets.append(d.effective_budget_w)
+        ticked.release()
+
+    loop._sinks = (sink,)
+    loop.start()
+    thread = loop._thread
+    try:
+        assert ticked.acquire(timeout=10.0)
+        loop.set_policy(loop.controller.policy.with_changes(power_budget_w=250.0))
+        assert ticked.acquire(timeout=10.0), "the budget cut waited for the next period"
+    finally:
+        loop.stop()
+    assert not thread.is_alive()  # stop ends the hour's wait too
+    assert budgets == [400.0, 250.0]
+
+
 def test_failing_telemetry_reads_are_stale_not_fatal():
     loop, engine, device, clock = make_loop(ControlMode.AUTO)
     drive(loop, engine, clock, 2)
