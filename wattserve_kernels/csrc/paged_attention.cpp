@@ -105,24 +105,6 @@ inline __m512 fold16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(v, w, 0x88), _mm512_shuffle_f32x4(v, w, 0xDD));
 }
 
-// exp_approx (fast_exp.h), 16 lanes at a time.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  const __m512i bits =
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
 // One row's online-softmax step over a block: s holds its 16 scores, valid the keys it
 // may see (the causal bound, the context's end: other lanes may hold anything and are set,
 // not computed with); folds them into the running max m and sum l and adds the value rows
@@ -133,7 +115,8 @@ inline void row_update(__m512 s, __mmask16 valid, int64_t n, float& m, float& l,
   constexpr int C = D / 16;  // vectors per head row
   s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), s);
   const float mx = std::max(m, _mm512_reduce_max_ps(s));
-  const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
+  const __m512 e =
+      _mm512_maskz_mov_ps(valid, wattserve::exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
   alignas(64) float p[kBlock];
   _mm512_store_ps(p, e);
   // The first block: m is -inf, and there is nothing to rescale.
