@@ -80,12 +80,12 @@ class LatencyGuard(Part):
     def note_latencies(
         self, ttft_s: tuple[float, ...], tpot_s: tuple[float, ...], now_s: float
     ) -> None:
-        """Latencies measured now: evidence for or against a descent on probation (a TTFT
-        if its request arrived after the descent; every TPOT finishing after it, whose
-        last tokens came at the lower setting)."""
+        """Latencies measured now: evidence for or against a descent on probation (every
+        first token and every finished request after it: descents come only with no
+        queue, so their prefill or last tokens ran at the lower setting)."""
         w = self.state.watch
         if w is not None:
-            w.ttft_ms.extend(1000.0 * x for x in ttft_s if now_s - x >= w.since_s)
+            w.ttft_ms.extend(1000.0 * x for x in ttft_s)
             w.tpot_ms.extend(1000.0 * x for x in tpot_s)
 
     def note_applied(

@@ -108,10 +108,10 @@ class ControllerParams:
     that configuration has held margin_settle_s, neither while requests queue nor before the
     level's model has descend_evidence_steps steps. Descents earn their way: for
     descent_watch_s after the optimizer lowers the clock or lengthens the decode interval, the
-    descent_watch_percentile of the TTFT (of requests arrived since) and TPOT measured since is
-    watched; at descent_guard_fraction x its SLO the descent is reverted at once and the clock
-    below (and a longer interval) barred for descent_bar_s. A power guard
-    lowers the clock at once and holds that ceiling for power_hold_s (anti-windup; doubled up to
+    descent_watch_percentile of the TTFT and TPOT measured since is watched; at
+    descent_guard_fraction x its SLO the descent is reverted at once and the clock below (and a
+    longer interval) barred for descent_bar_s. A power guard lowers the clock at once and holds
+    that ceiling for power_hold_s (anti-windup; doubled up to
     power_hold_max_s when it fires again soon, and for power_hold_max_s after it fires the board
     limit is not trusted to hold the budget), released once power is under power_release_margin
     x budget. Thermal: the budget is derated linearly from 1 at thermal_derate_start_c of margin
