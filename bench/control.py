@@ -8,10 +8,11 @@ quantization level calibrated on the real engine's measured steps (by default th
 calibration committed in bench/data/, so the same command gives the same figures on any
 machine of this kind; `--calibrate-here` measures this machine's), booked on the virtual
 GPU with a SimClock, so minutes of load take seconds. `--engine real`: the real engine on
-this CPU in wall time with the virtual GPU stretching its steps (short scenarios only), the
-controller's speed table measured on the spot as the daemon's comes from bench quant run
-where it serves (the engine model's comes from its calibration). Both drive the daemon's
-own ControlLoop. Baselines, same arrivals: max clock with fixed batch caps (the
+this CPU in wall time with the virtual GPU stretching its steps, each scenario long enough
+for `--requests` arrivals (200 by default; attainment is reported with its 95 % Wilson
+interval), the controller's speed table measured on the spot as the daemon's comes from
+bench quant run where it serves (the engine model's comes from its calibration). Both drive
+the daemon's own ControlLoop. Baselines, same arrivals: max clock with fixed batch caps (the
 uncontrolled engine), a static power cap at the budget, and a PI(D) loop on power only.
 Writes docs/control-<scenario>.png and docs/control-summary.png; the last line printed
 is one JSON object. Prompts are token counts (the engine model needs no text; the real
@@ -30,7 +31,10 @@ from typing import Any
 
 from bench.control_plots import plot_scenario, plot_summary
 from bench.control_real import (
+    DEFAULT_REQUESTS,
+    attainment_interval,
     calibrate,
+    duration_for_requests,
     measure_capacity_real,
     measure_level_speeds_real,
     run_real,
@@ -38,7 +42,7 @@ from bench.control_real import (
 from bench.control_systems import best_static, run_model
 from controller.policy import ControlMode, Policy
 from daemon.sim.calibration import Calibration, calibration_path
-from daemon.sim.metrics import summarize
+from daemon.sim.metrics import slo_met, summarize
 from daemon.sim.oracle import OracleResult
 from daemon.sim.run import measure_capacity
 from daemon.sim.scenarios import RequestMix, Scenario, make_scenarios
@@ -148,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--scenarios",
         default=None,
-        help="comma list (default: all for model, steady60,budget_step for real)",
+        help="comma list (default: all for model, steady60,burst,budget_step for real)",
     )
     ap.add_argument(
         "--systems",
@@ -156,7 +160,17 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma list of {', '.join(SYSTEMS)} (real: all but the second)",
     )
     ap.add_argument(
-        "--duration-s", type=float, default=None, help="per scenario (model 300, real 60)"
+        "--duration-s",
+        type=float,
+        default=None,
+        help="per scenario (model 300; real: from --requests)",
+    )
+    ap.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help=f"real engine: each scenario lasts until this many arrivals are due, from its "
+        f"mean arrival rate (default {DEFAULT_REQUESTS}; --duration-s overrides)",
     )
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -241,14 +255,29 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         capacity = measure_capacity(cal, start, mix)
-    duration = args.duration_s or (300.0 if args.engine == "model" else 60.0)
-    scenarios = shift_seeds(
-        make_scenarios(duration, args.budget_w, args.step_budget_w, args.low_budget_w),
-        args.seed_offset,
-    )
+
+    def build(d: float) -> dict[str, Scenario]:
+        return shift_seeds(
+            make_scenarios(d, args.budget_w, args.step_budget_w, args.low_budget_w),
+            args.seed_offset,
+        )
+
+    duration = args.duration_s or 300.0
+    scenarios = build(duration)
     names = (
-        args.scenarios or ("steady60,budget_step" if args.engine == "real" else ",".join(scenarios))
+        args.scenarios
+        or ("steady60,burst,budget_step" if args.engine == "real" else ",".join(scenarios))
     ).split(",")
+    durations = dict.fromkeys(names, duration)
+    requests_target = None
+    if args.engine == "real" and args.duration_s is None:
+        # Long enough to mean something: each scenario until --requests arrivals are due.
+        requests_target = args.requests or DEFAULT_REQUESTS
+        for name in names:
+            durations[name] = duration_for_requests(
+                lambda d, name=name: build(d)[name], requests_target, capacity, mix
+            )
+            scenarios[name] = build(durations[name])[name]
     # The real engine runs in wall time: no hindsight search, no second controller.
     real_skip = ("controller_fixed_quant", "controller_unpaced", "best_static")
     default_systems = (
@@ -263,7 +292,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{policy.ttft_slo_ms:g} ms, TPOT {policy.tpot_slo_ms:g} ms; budget {args.budget_w:g} W; "
         f"levels {', '.join(levels)} (quality limit {args.max_ppl_increase_pct}% ppl: "
         + ", ".join(f"{lv} {cal.levels[lv].ppl_increase_pct}%" for lv in levels)
-        + f"); {duration:g} s per scenario",
+        + "); "
+        + (
+            f"{duration:g} s per scenario"
+            if requests_target is None
+            else f"{requests_target} requests per scenario: "
+            + ", ".join(f"{n} {durations[n]:.0f} s" for n in names)
+        ),
         flush=True,
     )
     table: dict[str, dict[str, dict]] = {}
@@ -288,10 +323,20 @@ def main(argv: list[str] | None = None) -> int:
                     sc, sys_name, capacity, mix, policy, levels, start, cal, loaded, speeds
                 )
             summary = summarize(res, policy, sc)
+            ci = ""
+            if args.engine == "real" and res.requests:
+                summary["attainment_ci"] = attainment_interval(
+                    slo_met(res, policy), len(res.requests)
+                )
+                c = summary["attainment_ci"]
+                ci = (
+                    f" ({c['successes']}/{c['count']}, 95 % CI {c['lo_pct']}-{c['hi_pct']}%, "
+                    f"+-{c['half_width_pct']})"
+                )
             table.setdefault(name, {})[sys_name] = summary
             results.append(res)
             print(
-                f"{name:>12} {sys_name:>22}: attainment {summary['attainment_pct']}%, p99 TTFT "
+                f"{name:>12} {sys_name:>22}: attainment {summary['attainment_pct']}%{ci}, p99 TTFT "
                 f"{summary['p99_ttft_ms']} ms, p99 TPOT {summary['p99_tpot_ms']} ms, "
                 f"{summary['j_per_token']} J/token, {summary['mean_power_w']} W mean, over budget "
                 f"{summary['over_budget_s']} s (longest {summary['longest_over_budget_s']} s), "
@@ -305,6 +350,11 @@ def main(argv: list[str] | None = None) -> int:
                 + f" [{time.perf_counter() - t0:.1f} s]",
                 flush=True,
             )
+        if args.engine == "real":
+            # Each scenario's figures as soon as it ends: a long real run cut short keeps
+            # the scenarios it finished.
+            part = {"scenario": name, "duration_s": durations[name], "per_system": table[name]}
+            (args.out / f"control-real-{name}.json").write_text(json.dumps(part) + "\n")
         if not args.no_plots:
             path = args.out / f"control-{args.engine}-{name}.png"
             plot_scenario(
@@ -319,7 +369,18 @@ def main(argv: list[str] | None = None) -> int:
         plot_summary(table, path, f"{args.engine} engine, virtual H200: J/token and SLO attainment")
         print(f"wrote {path}", flush=True)
     oracle = oracle_facts(table, oracles)
-    line = _headline(table, args, cal, capacity, duration, levels, speeds, oracle)
+    line = _headline(
+        table,
+        args,
+        cal,
+        capacity,
+        duration if requests_target is None else {n: round(durations[n], 1) for n in names},
+        levels,
+        speeds,
+        oracle,
+    )
+    if requests_target is not None:
+        line["requests_per_scenario_target"] = requests_target
     line["oracle"] = oracle
     line["calibration"] = cal_facts
     line["seed_offset"] = args.seed_offset
@@ -363,7 +424,7 @@ def _headline(
     args,
     cal: Calibration,
     capacity: float,
-    duration: float,
+    duration: float | dict[str, float],
     levels,
     speeds: dict[str, dict[str, float]] | None,
     oracle: dict[str, dict],

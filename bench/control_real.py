@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,64 @@ from daemon.sim.calibration import Calibration, LevelFit, fit_steps
 from daemon.sim.run import RunResult, Sample, decision_reasons, energy_sample, power_sample
 from daemon.sim.scenarios import RequestMix, Scenario, arrivals, prompt_tokens
 from daemon.sim.systems import PERIOD_S
+
+# Real-engine runs: requests per scenario unless told otherwise (enough for a confidence
+# interval on attainment a few points wide at the attainments seen here).
+DEFAULT_REQUESTS = 200
+
+
+def duration_for_requests(
+    build: Callable[[float], Scenario],
+    requests: int,
+    capacity_req_s: float,
+    mix: RequestMix,
+    grow: float = 1.05,
+    rounds: int = 40,
+) -> float:
+    """The scenario duration (s) that brings at least `requests` arrivals: first the one
+    whose expected count is `requests` (the load's mean over the scenario x capacity x the
+    duration; a few fixed-point rounds, for loads shaped by their duration), then longer by
+    `grow` until the scenario's own seeded arrivals number that many. `build(d)` makes the
+    scenario at duration d."""
+    if requests < 1 or not capacity_req_s > 0:
+        raise ValueError("duration_for_requests: requests >= 1 and capacity_req_s > 0")
+    d = 60.0
+    for _ in range(4):
+        sc = build(d)
+        mean_load = statistics.fmean(sc.load(d * (i + 0.5) / 1000) for i in range(1000))
+        if not mean_load > 0:
+            raise ValueError(f"scenario {sc.name}: no load")
+        d = requests / (mean_load * capacity_req_s)
+    for _ in range(rounds):
+        if len(arrivals(build(d), capacity_req_s, mix)) >= requests:
+            return d
+        d *= grow
+    raise ValueError(f"no duration brings {requests} arrivals")
+
+
+def wilson_interval(successes: int, count: int, confidence: float = 0.95) -> tuple[float, float]:
+    """The Wilson score interval (lo, hi) of a binomial proportion, as fractions."""
+    if count < 1 or not 0 <= successes <= count:
+        raise ValueError("wilson_interval: 0 <= successes <= count, count >= 1")
+    z = statistics.NormalDist().inv_cdf(0.5 + confidence / 2)
+    p = successes / count
+    denom = 1.0 + z * z / count
+    center = (p + z * z / (2 * count)) / denom
+    half = z / denom * math.sqrt(p * (1 - p) / count + z * z / (4 * count * count))
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+def attainment_interval(successes: int, count: int, confidence: float = 0.95) -> dict:
+    """Attainment with its Wilson interval, in percent, for the table and the JSON."""
+    lo, hi = wilson_interval(successes, count, confidence)
+    return {
+        "count": count,
+        "successes": successes,
+        "confidence": confidence,
+        "lo_pct": round(100.0 * lo, 2),
+        "hi_pct": round(100.0 * hi, 2),
+        "half_width_pct": round(50.0 * (hi - lo), 2),
+    }
 
 
 def calibrate(model: str, levels: tuple[str, ...], dtype: str, threads: int | None) -> Calibration:

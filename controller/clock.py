@@ -141,7 +141,7 @@ class ClockTimescale(Part):
         intervals = [interval_now] + shorter
         cands = [(i, at(f, i)) for i in intervals for f in clocks]
         now_pred = at(clock_now, interval_now)
-        self.learner.note_prediction(now_pred, now_s)
+        self.learner.note_prediction(now_pred, now_s, interval_now)
         # Hysteresis band: a lower clock must meet the SLOs with a tighter margin than the
         # one that keeps the current clock, so noise near the edge cannot flip between them.
         feasible = [

@@ -69,7 +69,11 @@ class Controller:
     a growing queue, a waiting queue predicted to get its first tokens late at this clock
     (feed-forward: the queued prompts' prefill, with arrivals meanwhile) or a measured
     TTFT/TPOT miss raises the clock at once (to the top for a request waiting half its
-    TTFT SLO), never above what the budget allows, and holds that floor. Without a
+    TTFT SLO), never above what the budget allows, and holds that floor. Predictions carry
+    an adaptive margin: the split-conformal quantile of measured over predicted percentile
+    latencies at their level and clock (1 where the model's percentiles hold). Descents earn
+    their way: one whose measured latencies come near an SLO within descent_watch_s is
+    reverted before a miss and the lower setting barred for descent_bar_s. Without a
     guard, three timescales: the clock each observation (the least predicted J/token
     whose percentile TTFT/TPOT meet slo_margin x SLO and whose power fits the budget;
     fast up, slow down: a lower clock needs a tighter margin, a gain of clock_gain_min_pct
@@ -209,6 +213,19 @@ class Controller:
                 }
                 for o in self.engine.quant_options
             },
+            # The adaptive margin at the knobs in force (1: the model's percentiles held).
+            "latency_error_factor": {
+                kind: round(
+                    self.learner.error_factor(
+                        kind,
+                        self._knobs.quant_level or self.engine.full_precision_level,
+                        self._knobs.sm_clock_mhz or self.device.sm_clock_max_mhz,
+                        self._now_s,
+                    ),
+                    3,
+                )
+                for kind in ("ttft", "tpot")
+            },
             "latency_ratio": {
                 "ttft": round(
                     self.learner.ttft_ratio.ratio(self._now_s, self._policy.slo_percentile), 3
@@ -243,6 +260,7 @@ class Controller:
         )
         self.clock.note_first_tokens(stats.ttft_s, now_s)
         self.latency_guard.note_queue(stats.num_waiting, stats.num_running)
+        self.latency_guard.note_latencies(stats.ttft_s, stats.tpot_s, now_s)
 
     def _clock_now(self, telemetry: Telemetry | None) -> int | None:
         if telemetry is not None and telemetry.sm_clock_mhz:
@@ -510,6 +528,7 @@ class Controller:
             # Another level: its latencies are not this one's; start the calibration afresh.
             self.learner.forget_latency_calibration()
         self.clock.record_applied(previous, knobs, changed, now_s)
+        self.latency_guard.note_applied(previous, knobs, choice.state, now_s)
         if choice.state != self.state:
             key = f"{self.state.value}->{choice.state.value}"
             self.counters.transitions[key] = self.counters.transitions.get(key, 0) + 1

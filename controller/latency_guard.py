@@ -7,8 +7,19 @@ above what the budget allows, turns decode pacing off where there is no TPOT hea
 trade, and holds that clock as a floor. It overrides the models; it must not import torch
 or the daemon, read a clock, or touch a device or an engine.
 
+Descents earn their way: after the optimizer lowers the clock or lengthens the decode
+interval, the latencies measured over the next descent_watch_s are watched; once their
+descent_watch_percentile comes within descent_guard_fraction of an SLO (before a miss,
+where the model under-predicts at the lower setting) the descent is reverted at once and
+the lower clock (or the longer interval) barred for descent_bar_s. The adaptive margin the
+optimizer's predictions carry (Learner.error_factor) then keeps such a clock out of reach
+for as long as its measured ratios stay in the window.
+
 States: no floor -- fired --> floor held for guard_hold_s (no new step for
-guard_cooldown_s) --> no floor; a power guard firing drops the floor (power wins).
+guard_cooldown_s) --> no floor; a power guard firing drops the floor and any bar (power
+wins). Descent watch: none -- optimizer descends --> watching (since the latest descent of a
+chain, reverting to the setting before its first) -- descent_watch_s without measured
+latencies near the SLOs --> none (earned); -- near --> reverted, bar held descent_bar_s.
 """
 
 from __future__ import annotations
@@ -19,12 +30,24 @@ from dataclasses import dataclass, field
 
 from controller.learner import Learner
 from controller.limits import Limits
-from controller.models import Workload
+from controller.models import Workload, percentile_of
 from controller.outlook import Outlook
 from controller.part import Part
 from controller.policy import Knobs
 from controller.signals import EngineStats, Telemetry
 from controller.state import Choice, ControllerState, Reason
+
+
+@dataclass
+class DescentWatch:
+    """A descent on probation: the setting it left (before the first descent of a chain
+    not yet earned), when the latest began, and the latencies measured since then."""
+
+    from_mhz: int
+    from_interval_ms: float
+    since_s: float
+    ttft_ms: list[float] = field(default_factory=list)
+    tpot_ms: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -34,6 +57,10 @@ class LatencyGuardState:
     last_fired_s: float = -math.inf
     floor_mhz: int | None = None  # no clock below this while it holds
     floor_until_s: float = -math.inf
+    watch: DescentWatch | None = None
+    bar_mhz: int | None = None  # a reverted descent: no clock below this while it holds
+    bar_until_s: float = -math.inf
+    pace_bar_ms: float | None = None  # and no decode interval longer than this
 
 
 class LatencyGuard(Part):
@@ -50,10 +77,61 @@ class LatencyGuard(Part):
         self.state.waiting_hist.append(num_waiting)
         self.state.running_hist.append(num_running)
 
-    def floor(self, now_s: float) -> int | None:
-        """The clock floor in force (None: none holds)."""
+    def note_latencies(
+        self, ttft_s: tuple[float, ...], tpot_s: tuple[float, ...], now_s: float
+    ) -> None:
+        """Latencies measured now: evidence for or against a descent on probation (every
+        first token and every finished request after it: descents come only with no
+        queue, so their prefill or last tokens ran at the lower setting)."""
+        w = self.state.watch
+        if w is not None:
+            w.ttft_ms.extend(1000.0 * x for x in ttft_s)
+            w.tpot_ms.extend(1000.0 * x for x in tpot_s)
+
+    def note_applied(
+        self, previous: Knobs | None, knobs: Knobs, state: ControllerState, now_s: float
+    ) -> None:
+        """The knobs decided now, after `previous`: a descent by the optimizer (a lower
+        clock or a longer decode interval) starts a watch; a return to where the watch
+        began ends it."""
+        if previous is None:
+            return
+        top = self.limits.top_mhz
+        clock_before = previous.sm_clock_mhz or top
+        clock_now = knobs.sm_clock_mhz or top
         s = self.state
-        return s.floor_mhz if (s.floor_mhz is not None and now_s < s.floor_until_s) else None
+        w = s.watch
+        if w is not None and (
+            now_s - w.since_s > self.params.descent_watch_s
+            or (clock_now >= w.from_mhz and knobs.decode_interval_ms <= w.from_interval_ms)
+        ):
+            s.watch = w = None  # earned, or back where it began
+        descended = state is ControllerState.TRACKING and (
+            clock_now < clock_before or knobs.decode_interval_ms > previous.decode_interval_ms
+        )
+        if not descended:
+            return
+        if w is None:
+            s.watch = DescentWatch(clock_before, previous.decode_interval_ms, now_s)
+        else:
+            # Another step of a chain not yet earned: watched afresh, reverted to its start.
+            s.watch = DescentWatch(w.from_mhz, w.from_interval_ms, now_s)
+
+    def floor(self, now_s: float) -> int | None:
+        """The clock floor in force: a guard's step up or a reverted descent's bar (None:
+        none holds)."""
+        s = self.state
+        held = [
+            f
+            for f, until in ((s.floor_mhz, s.floor_until_s), (s.bar_mhz, s.bar_until_s))
+            if f is not None and now_s < until
+        ]
+        return max(held) if held else None
+
+    def pace_limit_ms(self, now_s: float) -> float | None:
+        """The longest decode interval a reverted descent allows (None: no bar)."""
+        s = self.state
+        return s.pace_bar_ms if now_s < s.bar_until_s else None
 
     def fired_within(self, now_s: float, seconds: float) -> bool:
         return now_s - self.state.last_fired_s < seconds
@@ -64,7 +142,9 @@ class LatencyGuard(Part):
 
     def release_floor(self) -> None:
         """Transition: the power guard fired; power wins over latency."""
-        self.state.floor_mhz = None
+        s = self.state
+        s.floor_mhz = s.bar_mhz = s.pace_bar_ms = None
+        s.watch = None
 
     def check(
         self,
@@ -80,6 +160,14 @@ class LatencyGuard(Part):
         p, lim = self.params, self.limits
         policy = outlook.policy
         now_s = outlook.now_s
+        ttft_miss = [x for x in stats.ttft_s if x * 1000.0 > policy.ttft_slo_ms]
+        tpot_miss = [x for x in stats.tpot_s if x * 1000.0 > policy.tpot_slo_ms]
+        if not (ttft_miss or tpot_miss):
+            # (A measured miss is the steps below's to answer, harder; a descent on
+            # probation is then reverted at the next observation, within their cooldown.)
+            reverted = self._revert_descent(telemetry, knobs, outlook, ceiling, budget_w)
+            if reverted is not None:
+                return reverted
         hist = list(self.state.waiting_hist)
         k = p.queue_growth_ticks
         growing = (
@@ -91,8 +179,6 @@ class LatencyGuard(Part):
             stats.oldest_waiting_s is not None
             and stats.oldest_waiting_s * 1000.0 > 0.5 * policy.ttft_slo_ms
         )
-        ttft_miss = [x for x in stats.ttft_s if x * 1000.0 > policy.ttft_slo_ms]
-        tpot_miss = [x for x in stats.tpot_s if x * 1000.0 > policy.tpot_slo_ms]
         clock = knobs.sm_clock_mhz or lim.top_mhz
         # Feed-forward on the queue: the prompts waiting now, prefilled in chunks beside
         # the running batch at this clock, would bring the newest past slo_margin x its
@@ -215,6 +301,58 @@ class LatencyGuard(Part):
             )
             + f"; floor held {p.guard_hold_s:g} s"
             + ("; decode pacing off" if pace_off else ""),
+        )
+
+    def _revert_descent(
+        self,
+        telemetry: Telemetry,
+        knobs: Knobs,
+        outlook: Outlook,
+        ceiling: int | None,
+        budget_w: float,
+    ) -> Choice | None:
+        """A descent on probation whose measured latencies came within
+        descent_guard_fraction of an SLO: back to the setting before it, at once, and that
+        setting's clock (and interval) held as a bar for descent_bar_s; None otherwise."""
+        p, lim, s = self.params, self.limits, self.state
+        w = s.watch
+        now_s = outlook.now_s
+        if w is None:
+            return None
+        if now_s - w.since_s > p.descent_watch_s:
+            s.watch = None  # the descent has earned its way
+            return None
+        policy = outlook.policy
+        pct = p.descent_watch_percentile
+        ttft_ms = percentile_of(w.ttft_ms, pct) if w.ttft_ms else 0.0
+        tpot_ms = percentile_of(w.tpot_ms, pct) if w.tpot_ms else 0.0
+        near_ttft = ttft_ms >= p.descent_guard_fraction * policy.ttft_slo_ms
+        near_tpot = tpot_ms >= p.descent_guard_fraction * policy.tpot_slo_ms
+        if not (near_ttft or near_tpot):
+            return None
+        s.watch = None
+        clock = knobs.sm_clock_mhz or lim.top_mhz
+        top = ceiling if ceiling is not None else lim.top_mhz
+        top = min(top, max(outlook.safe_clock(budget_w, telemetry.gpu_temp_c), lim.snap(clock)))
+        target = max(clock, min(w.from_mhz, top))
+        interval = min(knobs.decode_interval_ms, w.from_interval_ms)
+        s.last_fired_s = now_s
+        s.bar_mhz = target
+        s.pace_bar_ms = interval
+        s.bar_until_s = now_s + p.descent_bar_s
+        parts = []
+        if near_ttft:
+            parts.append(f"TTFT p{pct:g} {ttft_ms:.0f} ms")
+        if near_tpot:
+            parts.append(f"TPOT p{pct:g} {tpot_ms:.0f} ms")
+        return Choice(
+            ControllerState.GUARD_LATENCY,
+            knobs.with_changes(sm_clock_mhz=target, decode_interval_ms=interval),
+            Reason.DESCENT_REVERTED,
+            f"measured {', '.join(parts)} since the descent, within "
+            f"{p.descent_guard_fraction:g} x the SLO: clock {clock} -> {target} MHz, "
+            f"decode interval {knobs.decode_interval_ms:g} -> {interval:g} ms; "
+            f"lower settings barred {p.descent_bar_s:g} s",
         )
 
     def _hold_floor(self, target_mhz: int, now_s: float) -> None:

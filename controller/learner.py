@@ -27,6 +27,10 @@ from controller.state import ControllerParams
 # 100 ms readings per second: p90 of the last hundred, not their maximum).
 PEAK_PERCENTILE = 90.0
 
+# A measured latency is set against the percentile prediction in force only if that was
+# noted this recently.
+PREDICTION_FRESH_S = 1.0
+
 # A power reading counts towards the peak ratio once the clock has been in force this long
 # (before, the reading may be of the clock before).
 CLOCK_SETTLED_S = 0.5
@@ -47,12 +51,26 @@ class Learner:
         self.ttft_ratio = QuantileRatio(default=1.5)
         self.tpot_ratio = QuantileRatio(default=1.3)
         self.peak_ratio = QuantileRatio(default=1.1, window=100)
+        # Measured over the model's percentile prediction in force, keyed by (level,
+        # clock): how far the model under-predicts what users see there (the adaptive
+        # margin). Kept across level switches (each key is one level's) and longer than the
+        # ratios above, so that a clock found wanting stays so for a while.
+        self.ttft_error = QuantileRatio(default=1.0, window=400, max_age_s=300.0)
+        self.tpot_error = QuantileRatio(default=1.0, window=400, max_age_s=300.0)
         self.workload = WorkloadEstimator()
         self.recent_steps: deque[StepRecord] = deque(maxlen=512)
         # The model's mean predictions in force, smoothed over about a request's life.
         self.pred_ttft_ms = Ewma(5.0)
         self.pred_tpot_ms = Ewma(5.0)
         self.pred_step_ms = Ewma(5.0)  # the unpaced mean step, which sets TPOT's spread
+        # The percentile predictions in force (what the SLO checks compared), smoothed alike,
+        # and the configuration they were for.
+        self.pred_ttft_pct_ms = Ewma(5.0)
+        self.pred_tpot_pct_ms = Ewma(5.0)
+        self.pred_key: tuple[str, int] | None = None  # (level, clock)
+        # The whole configuration predicted (key, caps, decode interval), and since when.
+        self.pred_config: tuple | None = None
+        self.pred_since_s = math.inf
         self.pred_at_s: float | None = None
         self.waiting_now = 0  # requests queued at the latest observation
         self.running_now = 0  # and running
@@ -89,6 +107,18 @@ class Learner:
     def peak_ratio_at(self, now_s: float) -> float:
         """Measured 100 ms power over the model's prefill phase, at PEAK_PERCENTILE."""
         return self.peak_ratio.ratio(now_s, PEAK_PERCENTILE)
+
+    def error_factor(self, kind: str, level: str, clock_mhz: int, now_s: float) -> float:
+        """The adaptive margin for `kind` ("ttft" or "tpot") at (level, clock): the factor
+        a percentile prediction is multiplied by before it is compared with the SLO: the
+        split-conformal (1 - margin_alpha) quantile of measured over predicted there
+        (pooled where that clock has too few), within [1, margin_max]; 1 (the fixed
+        slo_margin alone) while too few have been measured anywhere."""
+        window = self.ttft_error if kind == "ttft" else self.tpot_error
+        q = window.conformal(now_s, self.params.margin_alpha, (level, clock_mhz))
+        if q is None:
+            return 1.0
+        return min(self.params.margin_max, max(1.0, q))
 
     def prefill_lately(self, steps: int) -> bool:
         """Whether any of the last `steps` steps had prefill."""
@@ -140,6 +170,31 @@ class Learner:
                 step_ms = self.pred_step_ms.value or self.pred_tpot_ms.value or 0.0
                 excess_ms = x * 1000.0 - (self.pred_tpot_ms.value or 0.0)
                 self.tpot_ratio.add(now_s, step_ms + excess_ms, step_ms)
+        # Each measured latency over the percentile prediction in force where it was
+        # measured, while that prediction is fresh (the clock timescale noted it lately: a
+        # guard's clock has no prediction of its own) and no queue is served (a queue's
+        # waits are the guards' to answer, not an error of the steady-state model).
+        fresh = self.pred_at_s is not None and now_s - self.pred_at_s <= PREDICTION_FRESH_S
+        calm = self.waiting_now == 0 and stats.num_waiting == 0
+        # A TTFT counts if its request arrived under the configuration predicted; a TPOT
+        # (a request's whole life) once that configuration has held margin_settle_s.
+        # Only once the level's model has descend_evidence_steps steps: a young model's
+        # errors are its youth's, which the clock step's young-model rules cover.
+        practised = (
+            self.pred_key is not None
+            and self.step_model(self.pred_key[0]).samples >= self.params.descend_evidence_steps
+        )
+        if practised and fresh and calm:
+            for x in stats.ttft_s:
+                if now_s - x >= self.pred_since_s:
+                    self.ttft_error.add(
+                        now_s, x * 1000.0, self.pred_ttft_pct_ms.value or 0.0, self.pred_key
+                    )
+            if now_s - self.pred_since_s >= self.params.margin_settle_s:
+                for x in stats.tpot_s:
+                    self.tpot_error.add(
+                        now_s, x * 1000.0, self.pred_tpot_pct_ms.value or 0.0, self.pred_key
+                    )
         self.waiting_now = stats.num_waiting
         self.running_now = stats.num_running
         peaks = self.running_peaks
@@ -159,6 +214,8 @@ class Learner:
                     m.rls.inflate(10.0)
                 self.ttft_ratio.clear()
                 self.tpot_ratio.clear()
+                self.ttft_error.clear()
+                self.tpot_error.clear()
             self.slowdown_active = slowdown
             self._learn_power(telemetry, clock_now)
             # How far short-window readings with prefill run above the model's prefill
@@ -196,15 +253,25 @@ class Learner:
             segments.append(PowerSegment(idle, idle_clock, 0.0, 0.0))
         self.power.learn(segments, telemetry.gpu_temp_c, telemetry.power_avg_w)
 
-    def note_prediction(self, pred: Prediction, now_s: float) -> None:
-        """The prediction for the configuration in force at this observation: its mean
-        latencies become the reference measured ones are compared with."""
+    def note_prediction(self, pred: Prediction, now_s: float, interval_ms: float = 0.0) -> None:
+        """The prediction for the configuration in force at this observation (at the decode
+        interval `interval_ms`): its mean latencies become the reference measured ones are
+        compared with, and its percentiles the reference of the adaptive margin."""
         dt = now_s - self.pred_at_s if self.pred_at_s is not None else 0.0
         self.pred_at_s = now_s
         if math.isfinite(pred.mean_ttft_ms) and math.isfinite(pred.mean_tpot_ms):
             self.pred_ttft_ms.add(pred.mean_ttft_ms, dt)
             self.pred_tpot_ms.add(pred.mean_tpot_ms, dt)
             self.pred_step_ms.add(1000.0 * pred.step_s, dt)
+        if math.isfinite(pred.ttft_ms) and math.isfinite(pred.tpot_ms):
+            key = (pred.quant_level, pred.sm_clock_mhz)
+            config = (key, pred.max_num_seqs, pred.max_num_batched_tokens, interval_ms)
+            if config != self.pred_config:
+                # Another configuration: its prediction, not a blend with the last one's.
+                self.pred_ttft_pct_ms.value = self.pred_tpot_pct_ms.value = None
+                self.pred_key, self.pred_config, self.pred_since_s = key, config, now_s
+            self.pred_ttft_pct_ms.add(pred.ttft_ms, dt)
+            self.pred_tpot_pct_ms.add(pred.tpot_ms, dt)
 
     def forget_latency_calibration(self) -> None:
         """Another level runs: its latencies are not the last one's; calibrate afresh."""
@@ -212,3 +279,6 @@ class Learner:
         self.tpot_ratio.clear()
         self.pred_ttft_ms.value = self.pred_tpot_ms.value = None
         self.pred_step_ms.value = None
+        self.pred_ttft_pct_ms.value = self.pred_tpot_pct_ms.value = None
+        self.pred_key = self.pred_config = None
+        self.pred_since_s = math.inf

@@ -408,10 +408,13 @@ class WorkloadEstimator:
 
 
 class QuantileRatio:
-    """Ratio of measured latencies to the model's predicted mean at the time, kept for the
-    last `max_age_s` (and at most `window` requests); its percentile turns a predicted
-    mean into a predicted percentile (a conformal-style calibration of the models against
-    what users saw). The age limit lets a transient (a trial, a guard) stop counting."""
+    """Ratio of measured latencies to a prediction the model made at the time, kept for
+    the last `max_age_s` (and at most `window` samples). Two uses: over the predicted mean,
+    its percentile turns a predicted mean into a predicted percentile; over the predicted
+    percentile itself, its split-conformal quantile (`conformal`) is the factor by which
+    the model under-predicts what users saw, per key (a level and clock) where that key has
+    the samples, else pooled. The age limit lets a transient (a trial, a guard) stop
+    counting."""
 
     def __init__(
         self, default: float, window: int = 200, min_samples: int = 10, max_age_s: float = 120.0
@@ -419,24 +422,61 @@ class QuantileRatio:
         self.default = default
         self.min_samples = min_samples
         self.max_age_s = max_age_s
-        self._ratios: deque[tuple[float, float]] = deque(maxlen=window)
+        # (time, ratio, key), oldest first; key None: not attributed to a configuration.
+        self._ratios: deque[tuple[float, float, object]] = deque(maxlen=window)
+        # conformal() answers by (alpha, key) until the ratios change (asked for every
+        # candidate configuration at each observation).
+        self._conformal_memo: dict[tuple[float, object], float | None] = {}
 
-    def add(self, now_s: float, measured: float, predicted_mean: float) -> None:
-        if predicted_mean > 0 and math.isfinite(measured) and measured >= 0:
-            self._ratios.append((now_s, measured / predicted_mean))
+    def add(self, now_s: float, measured: float, predicted: float, key: object = None) -> None:
+        if predicted > 0 and math.isfinite(measured) and measured >= 0:
+            self._ratios.append((now_s, measured / predicted, key))
+            self._conformal_memo.clear()
 
     def clear(self) -> None:
         self._ratios.clear()
+        self._conformal_memo.clear()
 
     def __len__(self) -> int:
         return len(self._ratios)
 
-    def ratio(self, now_s: float, percentile: float, lo: float = 1.0, hi: float = 4.0) -> float:
+    def _expire(self, now_s: float) -> None:
         while self._ratios and now_s - self._ratios[0][0] > self.max_age_s:
             self._ratios.popleft()
+            self._conformal_memo.clear()
+
+    def ratio(self, now_s: float, percentile: float, lo: float = 1.0, hi: float = 4.0) -> float:
+        self._expire(now_s)
         if len(self._ratios) < self.min_samples:
             return self.default
-        return min(hi, max(lo, percentile_of([r for _, r in self._ratios], percentile)))
+        return min(hi, max(lo, percentile_of([r for _, r, _ in self._ratios], percentile)))
+
+    def conformal(self, now_s: float, alpha: float, key: object = None) -> float | None:
+        """The split-conformal (1 - alpha) quantile of the ratios: the ceil((n + 1)(1 -
+        alpha))-th smallest of the n kept for `key` when they are enough for that rank
+        (n >= 1/alpha - 1), else of all n kept (pooled); None when neither is enough. A
+        measured latency exceeds its prediction times this factor with probability at
+        most alpha, for ratios exchangeable with the next one."""
+        self._expire(now_s)
+        memo_key = (alpha, key)
+        if memo_key not in self._conformal_memo:
+            own = None
+            if key is not None:
+                own = conformal_quantile([r for _, r, k in self._ratios if k == key], alpha)
+            if own is None:
+                own = conformal_quantile([r for _, r, _ in self._ratios], alpha)
+            self._conformal_memo[memo_key] = own
+        return self._conformal_memo[memo_key]
+
+
+def conformal_quantile(values: Sequence[float], alpha: float) -> float | None:
+    """The ceil((n + 1)(1 - alpha))-th smallest of n values (0 < alpha < 1), or None when
+    that rank is beyond n (too few values for a (1 - alpha) bound)."""
+    n = len(values)
+    rank = math.ceil((n + 1) * (1.0 - alpha) - 1e-9)
+    if n == 0 or rank > n:
+        return None
+    return sorted(values)[max(rank, 1) - 1]
 
 
 def percentile_of(values: Sequence[float], percentile: float) -> float:

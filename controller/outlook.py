@@ -76,14 +76,22 @@ class Outlook:
         )
 
     def feasible(self, pr: Prediction, budget_w: float, tighten: float = 1.0) -> bool:
-        """Predicted to meet both SLOs (x slo_margin x tighten) and the budget."""
+        """Predicted to meet both SLOs (x slo_margin x tighten), each percentile prediction
+        times the adaptive margin measured at its level and clock, and the budget."""
         policy = self.policy
         if not pr.stable:
             return False
         margin = self.params.slo_margin * tighten
-        if pr.ttft_ms > policy.ttft_slo_ms * margin or pr.tpot_ms > policy.tpot_slo_ms * margin:
+        ttft_ms = pr.ttft_ms * self.error_factor("ttft", pr)
+        tpot_ms = pr.tpot_ms * self.error_factor("tpot", pr)
+        if ttft_ms > policy.ttft_slo_ms * margin or tpot_ms > policy.tpot_slo_ms * margin:
             return False
         return self.within_budget(pr, budget_w)
+
+    def error_factor(self, kind: str, pr: Prediction) -> float:
+        """The adaptive margin at the prediction's level and clock (Learner.error_factor):
+        1 where the model's percentiles have held, more where it under-predicts."""
+        return self.learner.error_factor(kind, pr.quant_level, pr.sm_clock_mhz, self.now_s)
 
     def within_budget(self, pr: Prediction, budget_w: float) -> bool:
         """Where the board power limit enforces the budget, always; elsewhere the predicted

@@ -76,6 +76,8 @@ class DecodePacing(Part):
             return None  # a young model: its paced predictions rest on batches not seen
         if self.learner.waiting_now > 0 or outlook.guard_holds():
             return None
+        # A longer interval reverted lately (it came near the SLOs) stays barred a while.
+        barred_ms = outlook.latency_guard.pace_limit_ms(now_s)
         self.state.last_step_s = now_s
         clock = knobs.sm_clock_mhz or self.limits.top_mhz
 
@@ -94,7 +96,9 @@ class DecodePacing(Part):
         if not outlook.feasible(now_pred, budget_w):
             return None
         candidates = pace_candidates(outlook.policy, engine, p)
-        longer = {i: at(i) for i in candidates if i > current}
+        longer = {
+            i: at(i) for i in candidates if i > current and (barred_ms is None or i <= barred_ms)
+        }
         ok = [i for i, pr in longer.items() if outlook.feasible(pr, budget_w, p.descend_margin)]
         if not ok:
             return None

@@ -58,6 +58,9 @@ class Reason(StrEnum):
     # The hardware is slowing the GPU down (HwSlowdown, HwThermal, HwPowerBrake): the
     # decision's clock raise is held back until it clears.
     HW_SLOWDOWN_HOLD = "hw_slowdown_hold"
+    # A descent (a lower clock or a longer decode interval) whose measured latencies came
+    # near the SLO before it had earned its way: reverted, the lower setting barred.
+    DESCENT_REVERTED = "guard_descent_reverted"
 
 
 @dataclass(frozen=True)
@@ -96,9 +99,19 @@ class ControllerParams:
     most every guard_cooldown_s), and holds that floor for guard_hold_s; a running batch of at
     least guard_cap_share x the engine's largest max_num_seqs that grew guard_rise_factor x over
     the last guard_rise_ticks observations (a burst filling the engine) takes the top clock the
-    budget allows and no pacing at once, where the board limit holds the budget; a power guard
-    lowers
-    the clock at once and holds that ceiling for power_hold_s (anti-windup; doubled up to
+    budget allows and no pacing at once, where the board limit holds the budget. Adaptive
+    margin: each measured TTFT and TPOT over the model's percentile prediction in force is kept
+    per level and clock; the split-conformal (1 - margin_alpha) quantile of those ratios (the
+    clock's own where it has enough, else pooled; at most margin_max, never below 1) multiplies
+    a prediction before it is compared with the SLO (too few ratios: 1, the fixed margin
+    alone); a TTFT counts if its request arrived under the configuration predicted, a TPOT once
+    that configuration has held margin_settle_s, neither while requests queue nor before the
+    level's model has descend_evidence_steps steps. Descents earn their way: for
+    descent_watch_s after the optimizer lowers the clock or lengthens the decode interval, the
+    descent_watch_percentile of the TTFT and TPOT measured since is watched; at
+    descent_guard_fraction x its SLO the descent is reverted at once and the clock below (and a
+    longer interval) barred for descent_bar_s. A power guard lowers the clock at once and holds
+    that ceiling for power_hold_s (anti-windup; doubled up to
     power_hold_max_s when it fires again soon, and for power_hold_max_s after it fires the board
     limit is not trusted to hold the budget), released once power is under power_release_margin
     x budget. Thermal: the budget is derated linearly from 1 at thermal_derate_start_c of margin
@@ -132,6 +145,13 @@ class ControllerParams:
     guard_rise_factor: float = 1.3
     guard_cooldown_s: float = 1.0
     guard_hold_s: float = 10.0
+    margin_alpha: float = 0.1
+    margin_max: float = 4.0
+    margin_settle_s: float = 60.0
+    descent_watch_s: float = 30.0
+    descent_watch_percentile: float = 90.0
+    descent_guard_fraction: float = 0.85
+    descent_bar_s: float = 60.0
     power_hold_s: float = 5.0
     power_hold_max_s: float = 60.0
     power_release_margin: float = 0.9
@@ -193,6 +213,13 @@ class ControllerParams:
         if self.quant_trial_probe_fraction < 1 or self.quant_trial_slowdown_max < 1:
             raise ValueError(
                 "ControllerParams: quant_trial_probe_fraction >= 1, quant_trial_slowdown_max >= 1"
+            )
+        if not 0 < self.margin_alpha < 1 or self.margin_max < 1:
+            raise ValueError("ControllerParams: margin_alpha in (0, 1), margin_max >= 1")
+        if not 0 < self.descent_guard_fraction <= 1 or not 0 < self.descent_watch_percentile <= 100:
+            raise ValueError(
+                "ControllerParams: descent_guard_fraction in (0, 1], "
+                "descent_watch_percentile in (0, 100]"
             )
         if self.power_hold_max_s < self.power_hold_s:
             raise ValueError("ControllerParams.power_hold_max_s must be >= power_hold_s")

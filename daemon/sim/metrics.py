@@ -13,13 +13,19 @@ from daemon.sim.run import RunResult
 from daemon.sim.scenarios import Scenario
 
 
-def summarize(res: RunResult, policy: Policy, scenario: Scenario) -> dict:
+def slo_met(res: RunResult, policy: Policy) -> int:
+    """How many of the run's requests met both SLOs (an unfinished one misses)."""
     ttft_slo_s, tpot_slo_s = policy.ttft_slo_ms / 1000, policy.tpot_slo_ms / 1000
-    met = 0
+    return sum(
+        ttft is not None and tpot is not None and ttft <= ttft_slo_s and tpot <= tpot_slo_s
+        for _, ttft, tpot, _ in res.requests
+    )
+
+
+def summarize(res: RunResult, policy: Policy, scenario: Scenario) -> dict:
+    met = slo_met(res, policy)
     ttfts, tpots = [], []
     for _, ttft, tpot, _ in res.requests:
-        ok = ttft is not None and tpot is not None and ttft <= ttft_slo_s and tpot <= tpot_slo_s
-        met += ok
         ttfts.append(ttft if ttft is not None else math.inf)
         tpots.append(tpot if tpot is not None else math.inf)
     over_s, longest, run, prev_t = 0.0, 0.0, 0.0, 0.0
