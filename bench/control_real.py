@@ -362,7 +362,10 @@ def run_real(
                 if now >= drain_end or (now >= end and not engine.has_work()):
                     break
                 b = scenario.budget_w(rel)
-                if b != budget:
+                # A new budget is decided on at once, as the daemon's loop does (a policy
+                # change wakes it), not at the next period.
+                woken = b != budget
+                if woken:
                     budget = b
                     system.set_budget_w(b)
                 device.backend.set_ambient_c(scenario.ambient_c(rel))
@@ -380,8 +383,10 @@ def run_real(
                         request_id=rid,
                     )
                     i += 1
-                if now >= next_tick:
+                periodic = now >= next_tick
+                if periodic or woken:
                     knobs = system.tick()
+                if periodic:
                     next_tick += PERIOD_S
                 sample, last = power_sample(device, last, t_start, budget, engine, knobs)
                 if sample is not None:
