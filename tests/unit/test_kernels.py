@@ -275,6 +275,20 @@ def test_dense_kernel_matches_f_linear_on_partial_panels(out_features, in_featur
     torch.testing.assert_close(Linear(w)(x), F.linear(x, w), atol=1e-4, rtol=1e-4)
 
 
+def test_dense_kernel_gives_a_row_the_same_bits_in_any_batch():
+    # A request's logits must not depend on what else shares its step (greedy outputs and
+    # logprobs equal with and without overlap, preemption, batching): every row sums its
+    # in-features in one order whatever tile it lands in.
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(70, 96, generator=g)
+    x = torch.randn(40, 96, generator=g)
+    layer = Linear(w)
+    whole = layer(x)
+    for rows in (1, 2, 3, 5, 13, 27):
+        assert torch.equal(layer(x[:rows]), whole[:rows]), rows
+        assert torch.equal(layer(x[-rows:]), whole[-rows:]), rows
+
+
 def test_dense_kernel_serves_float32_here_and_refuses_bad_arguments():
     # make test runs on an AVX-512 machine: the fast path must really be the one tested.
     assert dense_linear_available()

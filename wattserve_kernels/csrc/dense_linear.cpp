@@ -41,48 +41,29 @@ inline __mmask16 first_lanes(int64_t n) {
 template <int MR>
 void tile(const float* x, int64_t K, const float* w, const float* pf, int64_t pf_lines,
           const float* bias, float* y, int64_t N, int64_t col0) {
-  // Independent accumulators per row: a chain of fused multiply-adds waits on its own
-  // latency, so a tile of few rows takes several in-features at once into separate sums.
-  constexpr int U = MR >= 4 ? 1 : (MR == 1 ? 4 : 2);
+  // One accumulator pair per row, the in-features summed in order: a row's result has
+  // the same bits whatever tile (so whatever batch) it is computed in.
   const __mmask16 m0 = first_lanes(N - col0), m1 = first_lanes(N - col0 - 16);
-  __m512 c0[U][MR], c1[U][MR];
-  for (int u = 0; u < U; ++u)
-    for (int r = 0; r < MR; ++r) c0[u][r] = c1[u][r] = _mm512_setzero_ps();
+  __m512 c0[MR], c1[MR];
+  for (int r = 0; r < MR; ++r) c0[r] = c1[r] = _mm512_setzero_ps();
   int64_t line = 0;  // the next line of pf to fetch: line * K <= k * pf_lines
-  int64_t k = 0;
-  for (; k + U <= K; k += U) {
+  for (int64_t k = 0; k < K; ++k) {
     if (pf != nullptr)
-      for (; line * K <= (k + U - 1) * pf_lines && line < pf_lines; ++line)
+      for (; line * K <= k * pf_lines && line < pf_lines; ++line)
         _mm_prefetch(reinterpret_cast<const char*>(pf + line * 16), _MM_HINT_T0);
-    for (int u = 0; u < U; ++u) {
-      const __m512 w0 = _mm512_loadu_ps(w + (k + u) * kPanel);
-      const __m512 w1 = _mm512_loadu_ps(w + (k + u) * kPanel + 16);
-      for (int r = 0; r < MR; ++r) {
-        const __m512 xb = _mm512_set1_ps(x[r * K + k + u]);
-        c0[u][r] = _mm512_fmadd_ps(xb, w0, c0[u][r]);
-        c1[u][r] = _mm512_fmadd_ps(xb, w1, c1[u][r]);
-      }
-    }
-  }
-  for (; k < K; ++k) {
     const __m512 w0 = _mm512_loadu_ps(w + k * kPanel);
     const __m512 w1 = _mm512_loadu_ps(w + k * kPanel + 16);
     for (int r = 0; r < MR; ++r) {
       const __m512 xb = _mm512_set1_ps(x[r * K + k]);
-      c0[0][r] = _mm512_fmadd_ps(xb, w0, c0[0][r]);
-      c1[0][r] = _mm512_fmadd_ps(xb, w1, c1[0][r]);
+      c0[r] = _mm512_fmadd_ps(xb, w0, c0[r]);
+      c1[r] = _mm512_fmadd_ps(xb, w1, c1[r]);
     }
   }
   const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias + col0) : _mm512_setzero_ps();
   const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + col0 + 16) : _mm512_setzero_ps();
   for (int r = 0; r < MR; ++r) {
-    __m512 s0 = b0, s1 = b1;
-    for (int u = 0; u < U; ++u) {
-      s0 = _mm512_add_ps(s0, c0[u][r]);
-      s1 = _mm512_add_ps(s1, c1[u][r]);
-    }
-    _mm512_mask_storeu_ps(y + r * N + col0, m0, s0);
-    _mm512_mask_storeu_ps(y + r * N + col0 + 16, m1, s1);
+    _mm512_mask_storeu_ps(y + r * N + col0, m0, _mm512_add_ps(b0, c0[r]));
+    _mm512_mask_storeu_ps(y + r * N + col0 + 16, m1, _mm512_add_ps(b1, c1[r]));
   }
 }
 
