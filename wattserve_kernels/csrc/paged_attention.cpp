@@ -221,8 +221,6 @@ void tiled_item(const float* qf, int64_t rows_padded, int64_t rows, int64_t G,
   }
 }
 
-
-
 #if defined(__AVX512F__)
 // The decode path (one query token per item, the engine's 16-token blocks, head dim 64 or
 // 128, up to 8 query heads per KV head). Decode attention reads each K/V row once for a
@@ -234,19 +232,14 @@ void tiled_item(const float* qf, int64_t rows_padded, int64_t rows, int64_t G,
 constexpr int kDecodeMaxG = 8;
 
 // One decode item: G query rows (qf, scaled, G x D) against ctx keys of one KV head.
-// Leaves the unnormalized outputs in acc (G x D) and the softmax sums in l.
+// Like tiled_item, it takes acc (G x D), m and l as the caller set them (zero, -inf,
+// zero) and leaves the unnormalized outputs in acc and the softmax sums in l.
 template <typename scalar_t, int D>
 void decode_item(const float* qf, int G, int64_t ctx, const scalar_t* kp, const scalar_t* vp,
                  const int64_t* table, int64_t token_stride, int64_t block_stride,
-                 int64_t kv_head, float* acc, float* l) {
+                 int64_t kv_head, float* acc, float* m, float* l) {
   constexpr int C = D / 16;  // vectors per head row
   constexpr int kLine = 64 / sizeof(scalar_t);  // elements per cache line
-  float m[kDecodeMaxG];
-  for (int r = 0; r < G; ++r) {
-    m[r] = -std::numeric_limits<float>::infinity();
-    l[r] = 0.f;
-    for (int i = 0; i < D; ++i) acc[r * D + i] = 0.f;
-  }
   const int64_t nblocks = (ctx + kBlock - 1) / kBlock;
   for (int64_t j = 0; j < nblocks; ++j) {
     const int64_t nk = std::min<int64_t>(kBlock, ctx - j * kBlock);
@@ -352,10 +345,11 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         if (tiled && nq == 1 && G <= kDecodeMaxG) {
           if (D == 64)
             decode_item<scalar_t, 64>(qf.data(), G, cl[it.seq], kp, vp, table, token_stride,
-                                      block_stride, it.kv_head, acc.data(), l.data());
+                                      block_stride, it.kv_head, acc.data(), m.data(), l.data());
           else
             decode_item<scalar_t, 128>(qf.data(), G, cl[it.seq], kp, vp, table, token_stride,
-                                       block_stride, it.kv_head, acc.data(), l.data());
+                                       block_stride, it.kv_head, acc.data(), m.data(),
+                                       l.data());
           write_rows(it, op, qs, H, G, D, acc.data(), l.data());
           continue;
         }
