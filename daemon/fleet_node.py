@@ -228,6 +228,7 @@ class FleetNodeLink:
         self._apply_budget(self.gate.safe_floor_w, "fleet: no grant yet, safe floor")
         self._tasks = [
             asyncio.create_task(self._run(), name="wattserve-fleet"),
+            asyncio.create_task(self._keep_lease(), name="wattserve-fleet-lease"),
             asyncio.create_task(self._tick(), name="wattserve-fleet-demand"),
         ]
 
@@ -288,20 +289,33 @@ class FleetNodeLink:
             margin_ratio=self.cfg.need_margin_ratio,
         )
 
+    async def _keep_lease(self) -> None:
+        """The lease, on its own task: nothing the link waits on (a publish into a dead
+        connection waits for aiomqtt's timeout) may hold the node above its floor after
+        its lease ends, since the allocator gives those watts away after lease + grace."""
+        interval_s = self.cfg.demand_interval_ms / 1000
+        while True:
+            left_s = self.gate.lease_left_s(self._monotonic())
+            await asyncio.sleep(interval_s if left_s is None else min(interval_s, left_s))
+            self.check_lease()
+
     async def _tick(self) -> None:
         interval_s = self.cfg.demand_interval_ms / 1000
         while True:
             await asyncio.sleep(interval_s)
-            self.check_lease()
             try:
                 demand = self.demand()
-            except Exception:  # noqa: BLE001 - a broken source must not end the lease checks
+            except Exception:  # noqa: BLE001 - a broken source must not end the demands
                 log.exception("fleet: computing the demand failed")
                 continue
             client = self._client
             if demand is not None and client is not None and self.connected:
+                # A dead connection does not confirm a publish: give up on this demand
+                # after one interval (the next one carries newer figures anyway).
                 with contextlib.suppress(aiomqtt.MqttError):
-                    await client.publish(self.topics.demand, demand.to_json_bytes(), qos=0)
+                    await client.publish(
+                        self.topics.demand, demand.to_json_bytes(), qos=0, timeout=interval_s
+                    )
 
     async def _run(self) -> None:
         while True:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from daemon.config import Config, ConfigError, FleetConfig, MqttConfig, load_config
@@ -145,6 +148,54 @@ def test_fleet_link_applies_grants_through_its_budget_sink_only_when_they_change
     status = link.status()
     assert status["budget_w"] == 150.0 and status["grant"] is None
     assert status["source"] == "safe_floor_lease_expired" and status["lease_left_s"] is None
+
+
+def test_the_lease_runs_out_while_a_demand_publish_into_a_dead_link_hangs():
+    """A dead connection never confirms a publish (aiomqtt waits for its timeout, 10 s by
+    default). The node must still fall to its floor when its lease ends: the allocator gives
+    its watts away after lease + grace."""
+
+    class DeadLinkClient:
+        publishes = 0
+
+        async def publish(self, *args, **kwargs):
+            DeadLinkClient.publishes += 1
+            await asyncio.Event().wait()  # never confirmed
+
+    async def body() -> list[float]:
+        applied: list[float] = []
+        link = FleetNodeLink(
+            MqttConfig(node_id="gpu-01"),
+            FleetConfig(enabled=True, safe_floor_w=150.0, demand_interval_ms=100),
+            demand_source=lambda: (snapshot(), 100.0, 700.0),
+            apply_budget=lambda w, why: applied.append(w),
+        )
+
+        async def connected_to_a_dead_link() -> None:
+            link._client, link.connected = DeadLinkClient(), True  # type: ignore[assignment]
+            await asyncio.Event().wait()
+
+        link._run = connected_to_a_dead_link  # type: ignore[method-assign]
+        await link.start()
+        now_s = time.time()
+        lease = GrantPayload(
+            node_id="gpu-01",
+            budget_w=400.0,
+            epoch=1,
+            expires_at_unix_s=now_s + 0.5,
+            issued_at_unix_s=now_s,
+        )
+        assert link.on_grant(lease.to_json_bytes()).applied
+        for _ in range(200):  # 10 s at most; the lease is 0.5 s
+            if DeadLinkClient.publishes >= 1 and applied[-1] == 150.0:
+                break
+            await asyncio.sleep(0.05)
+        await link.stop()
+        return applied
+
+    applied = asyncio.run(body())
+    assert DeadLinkClient.publishes >= 1  # a demand publish was hanging meanwhile
+    assert applied == [150.0, 400.0, 150.0]  # start floor, the grant, its lease's end
 
 
 def test_fleet_config_is_off_by_default_and_needs_a_floor_and_mqtt():
