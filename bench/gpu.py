@@ -27,10 +27,11 @@ Sizes (defaults; estimated, not yet run on an H200): SmolLM2 bf16 ~2 min (HF gen
 20 prompts one by one, two engines, CB warm-up and timed run, 3 x 8 s of power, a serving
 run of 160 requests at 16 req/s), fp32 ~1 min, the Llama-1B-shaped model ~1.5 min, so
 about 5 min in all; --max-seconds (450) skips any section (or part of one) that would
-start after it, and --sections runs only the named ones. --quick is smaller still. On a machine without a CUDA GPU it stops at once with one line
-on stderr and exit status 2. --dry-run-cpu (for tests) runs every section that needs no
-NVML on the CPU with a tiny random-weight model and tiny sizes, through the same
-functions, and writes its doc to --out-dir (default: a new temporary directory).
+start after it, and --sections runs only the named ones. --quick is smaller still. On a
+machine without a CUDA GPU it stops at once with one line on stderr and exit status 2.
+--dry-run-cpu (for tests) runs every section that needs no NVML on the CPU with a tiny
+random-weight model and tiny sizes, through the same functions, and writes its doc to
+--out-dir (default: a new temporary directory).
 """
 
 from __future__ import annotations
