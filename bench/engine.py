@@ -107,7 +107,10 @@ def run_hf_cb(
         pad_token_id=model.config.pad_token_id or 0,
     )
     t0 = time.perf_counter()
-    with torch.inference_mode():
+    # no_grad, not inference_mode: transformers before 5.18 (5.17 on the GPU image) runs
+    # the batch loop on a thread outside inference mode, where updating the static
+    # tensors made under it fails; generate_batch itself is no_grad in every 5.x.
+    with torch.no_grad():
         results = model.generate_batch(
             inputs=prompts,
             generation_config=cfg,

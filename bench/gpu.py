@@ -19,17 +19,19 @@ On a machine with an NVIDIA GPU it:
 - records NVML power and energy at three fixed loads (idle, bs1 decode, batched decode) and
   beside each the virtual GPU's prediction (daemon/device/virtual.py's power model, its
   H200 profile) for the same engine activity at the SM clock and die temperature NVML read;
-- writes docs/gpu-<date>.md with the figures and the command; the last line printed is one
-  JSON object.
+- writes docs/gpu-<date>.md with the figures and the command, and the report beside it as
+  gpu-<date>.json, both rewritten after each section (a run killed later keeps them); the
+  last line printed is the same JSON object.
 
 Sizes (defaults; estimated, not yet run on an H200): SmolLM2 bf16 ~2 min (HF generate on
 20 prompts one by one, two engines, CB warm-up and timed run, 3 x 8 s of power, a serving
 run of 160 requests at 16 req/s), fp32 ~1 min, the Llama-1B-shaped model ~1.5 min, so
-about 5 min in all; --max-seconds (450) skips any section that would start after it.
---quick is smaller still. On a machine without a CUDA GPU it stops at once with one line
-on stderr and exit status 2. --dry-run-cpu (for tests) runs every section that needs no
-NVML on the CPU with a tiny random-weight model and tiny sizes, through the same
-functions, and writes its doc to --out-dir (default: a new temporary directory).
+about 5 min in all; --max-seconds (450) skips any section (or part of one) that would
+start after it, and --sections runs only the named ones. --quick is smaller still. On a
+machine without a CUDA GPU it stops at once with one line on stderr and exit status 2.
+--dry-run-cpu (for tests) runs every section that needs no NVML on the CPU with a tiny
+random-weight model and tiny sizes, through the same functions, and writes its doc to
+--out-dir (default: a new temporary directory).
 """
 
 from __future__ import annotations
@@ -334,21 +336,29 @@ def decode_tok_s(engine, prompts: list[list[int]], new_tokens: int) -> float:
 def cb_config(hf_model, kv_cache_bytes: int, max_batch_tokens: int):
     """transformers' ContinuousBatchingConfig with our engine's KV pool size and batched-token
     cap, and no prefix sharing (the engines timed here run without prefix caching; the
-    batch repeats prompts). auto_switch_to_flash off: with `kernels` installed it would
-    fetch flash attention from the hub, and nothing here downloads; the model keeps the
-    attention it was loaded with (SDPA), as HF `generate` does."""
+    batch repeats prompts). auto_switch_to_flash off where the field exists: with `kernels`
+    installed it would fetch flash attention from the hub, and nothing here downloads; the
+    model keeps the attention it was loaded with (SDPA), as HF `generate` does.
+    transformers before 5.18 (5.17 on the GPU image) names a block's tokens `block_size`
+    and has no auto_switch_to_flash (nor a switch without `kernels` or flash-attn)."""
+    from dataclasses import fields
+
     from transformers import ContinuousBatchingConfig
 
     c = hf_model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    page = ContinuousBatchingConfig().page_size
+    defaults = ContinuousBatchingConfig()
+    page = getattr(defaults, "page_size", None) or defaults.block_size
     block_bytes = 2 * c.num_hidden_layers * page * c.num_key_value_heads * head_dim
     block_bytes *= hf_model.dtype.itemsize
+    extra = {}
+    if "auto_switch_to_flash" in {f.name for f in fields(ContinuousBatchingConfig)}:
+        extra["auto_switch_to_flash"] = False
     return ContinuousBatchingConfig(
         num_blocks=max(1, kv_cache_bytes // block_bytes),
         max_batch_tokens=max_batch_tokens,
         allow_block_sharing=False,
-        auto_switch_to_flash=False,
+        **extra,
     )
 
 
@@ -438,6 +448,19 @@ def load_smollm2(dtype_name: str, target: Target):
 # ---- the run ----------------------------------------------------------------------------
 
 
+SECTIONS = ("smollm2_bfloat16", "smollm2_float32", "llama_1b_shaped")
+
+
+def _sections(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown section(s) {unknown or [text]}; expected some of {','.join(SECTIONS)}"
+        )
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="wattserve bench gpu", description=__doc__.splitlines()[0])
     ap.add_argument("--gpu", default="0", help="NVML GPU: index, UUID or PCI bus id")
@@ -453,7 +476,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--max-seconds", type=float, default=450.0, help="skip sections that would start later"
     )
-    ap.add_argument("--out-dir", default=None, help="where the doc goes (default: docs)")
+    ap.add_argument(
+        "--sections",
+        type=_sections,
+        default=SECTIONS,
+        help=f"comma-separated, of {','.join(SECTIONS)} (default: all); the others are "
+        "skipped and said so in the report",
+    )
+    ap.add_argument(
+        "--out-dir",
+        default=None,
+        help="where the doc and its JSON go, rewritten after each section (default: docs)",
+    )
     ap.add_argument(
         "--dry-run-cpu",
         action="store_true",
@@ -542,17 +576,23 @@ def _run(args: argparse.Namespace, target: Target | None) -> int:
             "bandwidth left out; the virtual GPU's prediction uses its top clock"
         )
     # Each section on its own: one that fails is reported, and the others still run.
-    sections = [
-        (f"smollm2_{d}", lambda d=d: _smollm2(d, target, args, report))
-        for d in ("bfloat16", "float32")
-    ]
-    sections.append(("llama_1b_shaped", lambda: _llama_1b_shaped(target, args, report)))
-    for name, fn in sections:
+    sections = {
+        "smollm2_bfloat16": lambda: _smollm2("bfloat16", target, args, report),
+        "smollm2_float32": lambda: _smollm2("float32", target, args, report),
+        "llama_1b_shaped": lambda: _llama_1b_shaped(target, args, report),
+    }
+    for name, fn in sections.items():
+        if name not in args.sections:
+            report["skipped"][name] = "not in --sections"
+            continue
         if time.perf_counter() > args.deadline_s:
             report["skipped"][name] = f"--max-seconds {args.max_seconds} spent"
             report["ok"] = False
             continue
         _section(report, name, fn)
+        # The doc and its JSON so far: a run killed in a later section keeps these figures.
+        report["seconds"] = _r(time.perf_counter() - t_start, 1)
+        _write_doc(report, args)
     if target.backend is not None:
         target.backend.close()
     report["seconds"] = _r(time.perf_counter() - t_start, 1)
@@ -854,6 +894,7 @@ def _write_doc(report: dict, args: argparse.Namespace) -> Path:
     lines += [f"Failed parts: {report['errors'] or 'none'}", ""]
     lines += [f"Seconds per section: {report['seconds_per_section']}", ""]
     path.write_text("\n".join(lines))
+    path.with_suffix(".json").write_text(json.dumps(report | {"doc": str(path)}, indent=1) + "\n")
     return path
 
 

@@ -139,3 +139,26 @@ def test_a_failed_part_is_reported_and_fails_the_run_without_stopping_it():
     assert gpu._part(report, "llama_1b_shaped.serving", boom, args) is None
     assert report["skipped"] == {"llama_1b_shaped.serving": "--max-seconds 450.0 spent"}
     assert "llama_1b_shaped.serving" not in report["errors"]
+
+
+def test_sections_runs_only_those_named_and_saves_its_json(
+    tmp_path, cache_dir, capsys, monkeypatch
+):
+    monkeypatch.setenv("WATTSERVE_CACHE", str(cache_dir))
+    argv = ["bench", "gpu", "--dry-run-cpu", "--sections", "smollm2_float32"]
+    rc = cli_main([*argv, "--out-dir", str(tmp_path)])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and report["ok"], report["errors"]
+    assert "smollm2_float32" in report and "power" not in report
+    assert "smollm2_bfloat16" not in report and "llama_1b_shaped" not in report
+    for name in ("smollm2_bfloat16", "llama_1b_shaped"):
+        assert report["skipped"][name] == "not in --sections"
+    saved = json.loads(Path(report["doc"]).with_suffix(".json").read_text())
+    assert saved["smollm2_float32"] == report["smollm2_float32"]
+    assert saved["seconds"] == report["seconds"]
+
+
+def test_an_unknown_section_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        gpu.build_parser().parse_args(["--sections", "smollm2_float32,smollm2_fp16"])
+    assert "unknown section(s) ['smollm2_fp16']" in capsys.readouterr().err
