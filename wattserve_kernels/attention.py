@@ -110,17 +110,43 @@ def paged_attention_torch(
     *,
     host_query_start: list[int] | None = None,
     host_context_lens: list[int] | None = None,
+    batch_decodes: bool | None = None,
 ) -> torch.Tensor:
     """paged_attention in plain torch: each sequence's context gathered, then SDPA.
 
     host_query_start / host_context_lens: the same bounds as host lists when the caller has
     them; then nothing is read back from the device (each .tolist() is a sync on CUDA).
+    batch_decodes: the step's leading one-token sequences (the scheduler puts its decodes
+    first) go through paged_decode_attention in one call, the rest one SDPA call each. On
+    by default off the CPU, where each call costs several kernel launches (a mixed step of
+    64 decodes was 64 calls a layer, most of its time); off on the CPU, where a call costs
+    little and the batched gather copies every row to the widest table.
     """
+    if batch_decodes is None:
+        batch_decodes = q.device.type != "cpu"
     bs = k_cache.shape[1]
     starts = query_start.tolist() if host_query_start is None else host_query_start
     lens = context_lens.tolist() if host_context_lens is None else host_context_lens
     parts = []
-    for b, ctx in enumerate(lens):
+    decodes = 0
+    while batch_decodes and decodes < len(lens) and starts[decodes + 1] - starts[decodes] == 1:
+        decodes += 1
+    if decodes > 1:
+        width = -(-max(lens[:decodes]) // bs)
+        parts.append(
+            paged_decode_attention(
+                q.narrow(0, starts[0], decodes),
+                k_cache,
+                v_cache,
+                block_tables.narrow(0, 0, decodes).narrow(1, 0, width),
+                context_lens.narrow(0, 0, decodes),
+                scale,
+            )
+        )
+    else:
+        decodes = 0
+    for b in range(decodes, len(lens)):
+        ctx = lens[b]
         q0, q1 = starts[b], starts[b + 1]
         n = q1 - q0
         # narrow, not Python indexing (see norm_rope.apply_rope)

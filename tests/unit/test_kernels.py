@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -178,7 +179,12 @@ def _mixed_step(seed: int, dtype: torch.dtype, shape: str = "small"):
     return (q, k_cache, v_cache, bt, query_start, context_lens), seqs
 
 
-IMPLEMENTATIONS = {"dispatch": paged_attention, "torch": paged_attention_torch}
+IMPLEMENTATIONS = {
+    "dispatch": paged_attention,
+    "torch": functools.partial(paged_attention_torch, batch_decodes=False),
+    # as off the CPU: the leading decodes in one paged_decode_attention call
+    "torch_batched_decodes": functools.partial(paged_attention_torch, batch_decodes=True),
+}
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -195,22 +201,30 @@ def test_paged_attention_matches_reference(impl, dtype, tol, shape):
         torch.testing.assert_close(out[rows].float(), ref, **tol)
 
 
-def test_paged_attention_torch_with_host_bounds_reads_nothing_back():
+def test_paged_attention_torch_with_host_bounds_reads_nothing_back(monkeypatch):
     args, _ = _mixed_step(seed=4, dtype=torch.float32)
     q, k_cache, v_cache, bt, query_start, context_lens = args
     expected = paged_attention_torch(*args, 0.25)
-    # Bounds given as host lists: the device copies are never read (poisoned here).
+    host_query_start, host_context_lens = query_start.tolist(), context_lens.tolist()
+
+    def read_back(*_args, **_kwargs):
+        raise AssertionError("a tensor was read back to the host (a sync on CUDA)")
+
+    # Bounds given as host lists: no tensor is read back (each read is a sync on CUDA).
+    for name in ("tolist", "item", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, read_back)
     out = paged_attention_torch(
         q,
         k_cache,
         v_cache,
         bt,
-        query_start.neg(),
-        context_lens.neg(),
+        query_start.neg(),  # the device copy of the starts is not used at all
+        context_lens,
         0.25,
-        host_query_start=query_start.tolist(),
-        host_context_lens=context_lens.tolist(),
+        host_query_start=host_query_start,
+        host_context_lens=host_context_lens,
     )
+    monkeypatch.undo()
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
