@@ -355,6 +355,17 @@ class WorkloadEstimator:
         self._context = Ewma(tau_s)
         self._prefill_share = Ewma(tau_s)
         self._last: tuple[float, int, int, int] | None = None
+        # When a request last arrived, and the request rate estimated then.
+        self.last_arrival_s: float | None = None
+        self.rate_at_last_arrival_per_s = 0.0
+
+    def lull(self, now_s: float, gaps: float, min_s: float) -> bool:
+        """No request has arrived for `gaps` mean gaps at the rate estimated when the last
+        one came (at least min_s): by chance once in e^gaps gaps of a steady load."""
+        if self.last_arrival_s is None or self.rate_at_last_arrival_per_s <= 0:
+            return False
+        quiet_s = max(min_s, gaps / self.rate_at_last_arrival_per_s)
+        return now_s - self.last_arrival_s >= quiet_s
 
     def update(
         self,
@@ -383,6 +394,8 @@ class WorkloadEstimator:
                     a = max(dr / self._prompt_requests, 1.0 - math.exp(-dr / MEAN_PROMPT_REQUESTS))
                     prev = self._mean_prompt if self._mean_prompt is not None else dp / dr
                     self._mean_prompt = prev + a * (dp / dr - prev)
+                    self.last_arrival_s = now_s
+                    self.rate_at_last_arrival_per_s = self._rate.value or 0.0
         self._last = (now_s, requests_total, prompt_tokens_total, output_tokens_total)
         decode = sum(s.decode_tokens for s in steps)
         if decode > 0:

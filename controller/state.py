@@ -89,7 +89,8 @@ class ControllerParams:
     already run here is left for that one there. Decode pacing: the interval is 0 or one of
     pace_fractions x the TPOT SLO (within the engine's longest); a shorter one is weighed with
     the clocks every observation, a longer one at most every pace_period_s, once the level's
-    model has descend_evidence_steps steps, and never through a trial. A prefill chunk's step at
+    model has descend_evidence_steps steps, and never through a trial; it is off once no request
+    has arrived for pace_lull_gaps mean gaps (at least pace_period_s). A prefill chunk's step at
     the clock in force stays within chunk_step_slo_factor x the TPOT SLO and
     chunk_step_ttft_factor x the TTFT SLO. Margins: predictions must meet slo_margin x SLO (x
     descend_margin for a lower clock) and power_margin x budget; the board power limit is set to
@@ -180,6 +181,7 @@ class ControllerParams:
     quant_slow_retry_s: float = 600.0
     quant_table_batch_min: int = 8
     pace_period_s: float = 5.0
+    pace_lull_gaps: float = 5.0
     pace_fractions: tuple[float, ...] = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
 
     def __post_init__(self) -> None:

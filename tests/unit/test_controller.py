@@ -1173,3 +1173,21 @@ def test_a_steady_large_batch_or_a_small_rise_leaves_the_clock_to_the_optimizer(
     # A batch as large that has not risen (a steady high load), or one that rose but is
     # far from the cap, is not a burst: no guard.
     assert _cap_guard_after(before, now) is None
+
+
+def test_no_arrivals_turn_decode_pacing_off():
+    # With no request arriving the running batch only shrinks: an interval between its
+    # steps adds waits and idle power to the same steps, so pacing goes off.
+    ctl = make_controller(decode_interval_max_ms=1000.0)
+    plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
+    run(ctl, plant, 90)
+    assert ctl.knobs.decode_interval_ms > 0
+    plant.request_rate_s = 0.0
+    quiet_from_s = plant.t_s
+    decisions = run(ctl, plant, 12)
+    off = next(d for d in decisions if d.knobs.decode_interval_ms == 0.0)
+    assert "no arrivals" in off.reason
+    # Not before max(pace_period_s, 5 mean gaps at the rate estimated then, about 1/s)
+    # since the last arrival (at most a few seconds before the quiet began).
+    assert off.at_s - quiet_from_s >= 2.0
+    assert all(d.knobs.decode_interval_ms == 0.0 for d in decisions[decisions.index(off) :])
