@@ -51,6 +51,12 @@ class DecodePacing(Part):
             now_s, self.params.pace_lull_gaps, self.params.pace_period_s
         )
 
+    def crowded(self) -> bool:
+        """The running batch fills guard_cap_share of the engine's largest cap: an
+        interval lengthens every request's life, so the slots fill and arrivals queue."""
+        cap = self.limits.engine.max_num_seqs_max
+        return self.learner.running_now >= self.params.guard_cap_share * cap
+
     def note_interval_moved(self, now_s: float) -> None:
         """The clock search moved the interval: the next longer one waits pace_period_s."""
         self.state.last_step_s = now_s

@@ -90,10 +90,10 @@ class ControllerParams:
     pace_fractions x the TPOT SLO (within the engine's longest); a shorter one is weighed with
     the clocks every observation, a longer one at most every pace_period_s, once the level's
     model has descend_evidence_steps steps, and never through a trial; it is off once no request
-    has arrived for pace_lull_gaps mean gaps (at least pace_period_s). A prefill chunk's step at
-    the clock in force stays within chunk_step_slo_factor x the TPOT SLO and
-    chunk_step_ttft_factor x the TTFT SLO; below that bound a smaller chunk is taken where it
-    is predicted to save chunk_gain_min_pct.
+    has arrived for pace_lull_gaps mean gaps (at least pace_period_s) and while the running batch
+    fills guard_cap_share of the engine's cap. A prefill chunk's step at the clock in force stays
+    within chunk_step_slo_factor x the TPOT SLO and chunk_step_ttft_factor x the TTFT SLO; below
+    that bound a smaller chunk is taken where it is predicted to save chunk_gain_min_pct.
     Margins: predictions must meet slo_margin x SLO (x descend_margin for a lower clock) and
     power_margin x budget; the board power limit is set to power_limit_margin x budget; a
     reading within power_noise_tolerance over the budget is noise. Guards: a latency guard

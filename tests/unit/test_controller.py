@@ -1227,3 +1227,18 @@ def test_no_arrivals_turn_decode_pacing_off():
     # since the last arrival (at most a few seconds before the quiet began).
     assert off.at_s - quiet_from_s >= 2.0
     assert all(d.knobs.decode_interval_ms == 0.0 for d in decisions[decisions.index(off) :])
+
+
+def test_a_running_batch_near_the_engine_cap_turns_decode_pacing_off():
+    # Paced at a light load; then the running batch climbs slowly to 3/4 of the cap (too
+    # slowly for the burst guard): an interval would hold every slot longer, so it goes.
+    slow_rise = ControllerParams(guard_rise_factor=100.0)
+    ctl = make_controller(decode_interval_max_ms=1000.0, params=slow_rise)
+    plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
+    run(ctl, plant, 90)
+    interval_ms = ctl.knobs.decode_interval_ms
+    assert interval_ms > 0
+    plant.decode_rate_tok_s = 50.0 / (interval_ms / 1000.0)  # a paced batch of 50
+    decisions = run(ctl, plant, 5)
+    off = next(d for d in decisions if d.knobs.decode_interval_ms == 0.0)
+    assert "near the engine's cap" in off.reason
