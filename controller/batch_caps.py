@@ -123,6 +123,9 @@ class BatchCaps(Part):
         tokens = outlook.chunk_for_ttft(
             level, clock, seqs, tokens, knobs.max_num_batched_tokens, workload
         )
+        tokens = outlook.chunk_for_energy(
+            level, clock, seqs, tokens, knobs.max_num_batched_tokens, workload, budget_w
+        )
         if seqs < knobs.max_num_seqs and not outlook.feasible(
             outlook.predict(level, clock, seqs, tokens, workload, None), budget_w
         ):

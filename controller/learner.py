@@ -243,7 +243,7 @@ class Learner:
             busy += overlap
             clock = step.sm_clock_mhz or idle_clock
             if step.has_prefill:
-                segments.append(PowerSegment(overlap, clock, 0.0, 1.0))
+                segments.append(PowerSegment(overlap, clock, 0.0, 1.0, step.prefill_tokens))
             else:
                 segments.append(PowerSegment(overlap, clock, 1.0, 0.0))
         if busy > 1.05:

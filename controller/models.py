@@ -86,6 +86,7 @@ class RecursiveLeastSquares:
 _PREFILL_SCALE = 100.0
 _DECODE_SCALE = 10.0
 _CONTEXT_SCALE = 1000.0
+_STEP_FEATURES = 10
 
 
 def _step_features(
@@ -93,7 +94,13 @@ def _step_features(
 ) -> list[float]:
     base = [1.0, prefill / _PREFILL_SCALE, decode / _DECODE_SCALE, context / _CONTEXT_SCALE]
     # The slowdown terms vanish at f_max: steps there pin down the top-clock costs alone.
-    return base + [v * (clock_ratio - 1.0) for v in base]
+    stretch = clock_ratio - 1.0
+    # Last, the prefill tokens squared (top clock, stretch): a step's compute-bound share
+    # grows with the tokens it computes, so its time stretches more than in proportion
+    # at a lower clock. Prefill tokens per step spread with the prompts' sizes, which is
+    # what fits it.
+    square = (prefill / _PREFILL_SCALE) ** 2
+    return base + [v * stretch for v in base] + [square, square * stretch]
 
 
 @dataclass(frozen=True)
@@ -104,35 +111,52 @@ class StepCoefficients:
     per_prefill_token_s: float
     per_decode_token_s: float
     per_context_token_s: float
+    per_prefill_token_sq_s: float = 0.0  # x prefill tokens squared
 
     def step_s(self, prefill: float, decode: float, context: float) -> float:
         t = (
             self.base_s
             + self.per_prefill_token_s * prefill
+            + self.per_prefill_token_sq_s * prefill * prefill
             + self.per_decode_token_s * decode
             + self.per_context_token_s * context
         )
         return max(t, 1e-6)
 
+    def prompt_s(self, chunking: Chunking, decode: float, context: float) -> float:
+        """The steps a mean prompt's chunks take (each beside `decode` tokens reading
+        `context`): a step's fixed and decode costs per chunk, the linear prefill cost on
+        the mean prompt, the squared one on the mean sum of its chunks' squares."""
+        per_step = self.step_s(0.0, decode, context)
+        return (
+            chunking.chunks * per_step
+            + self.per_prefill_token_s * chunking.tokens
+            + self.per_prefill_token_sq_s * chunking.tokens_sq
+        )
+
 
 class StepTimeModel:
     """Step duration of one quantization level as a function of the batch and the clock:
 
-        t = sum_k (a_k + b_k * (f_max / f - 1)) * x_k,  x = (1, prefill, decode, context)
+        t = sum_k (a_k + b_k * (f_max / f - 1)) * x_k,  x = (1, prefill, decode, context,
+                                                           prefill^2)
 
     a_k: the costs at the top clock; b_k: how much of them stretches as the clock drops
     (b_k = a_k for fully compute-bound work, 0 for memory-bound). Steps at the top clock
     teach a_k alone; b_k starts at 0 (optimistic: the controller steps down, guarded, and
-    learns it from the steps it sees there). A negative b_k is the fit trading one cost's
-    stretch against another's (a step's whole time stretches with its own arithmetic
-    intensity, which no one feature carries, and a steady load moves the features
-    together): that cost is then taken as flat, at its fitted value at the mean stretch of
-    the steps learned from, so no cost falls as the clock drops.
+    learns it from the steps it sees there). The prefill^2 term is the part of a step's
+    time that grows faster than its tokens (the compute-bound share grows with them, and
+    that share stretches): with it a big chunk at a low clock costs more per prompt token
+    than a small one. A negative b_k is the fit trading one cost's stretch against
+    another's (a step's whole time stretches with its own arithmetic intensity, which no
+    one feature carries exactly, and a steady load moves the features together): that
+    cost is then taken as flat, at its fitted value at the mean stretch of the steps
+    learned from, so no cost falls as the clock drops.
     """
 
     def __init__(self, sm_clock_max_mhz: int, forgetting: float = 0.998) -> None:
         self.f_max = float(sm_clock_max_mhz)
-        self.rls = RecursiveLeastSquares([0.0] * 8, p0=1.0, forgetting=forgetting)
+        self.rls = RecursiveLeastSquares([0.0] * _STEP_FEATURES, p0=1.0, forgetting=forgetting)
         self.samples_by_clock: dict[int, int] = {}
         # The mean stretch (f_max / f - 1) of the steps learned from, forgotten as they are.
         self.stretch_mean = 0.0
@@ -150,7 +174,7 @@ class StepTimeModel:
         other = StepTimeModel(int(self.f_max))
         other.rls.theta = list(self.rls.theta)
         other.stretch_mean = self.stretch_mean
-        for k in range(4, 8):
+        for k in (*range(4, 8), 9):
             other.rls.p[k][k] = stretch_p0
         return other
 
@@ -201,8 +225,8 @@ class StepTimeModel:
         # decode cost and dropped its negative stretch: bf16's decode token came out at
         # 3.5 ms at 945 MHz where the steps there took 1.9.)
         per = []
-        for k in range(4):
-            b = th[k + 4]
+        for k, kb in ((0, 4), (1, 5), (2, 6), (3, 7), (8, 9)):  # (top clock, stretch)
+            b = th[kb]
             s = stretch if b >= 0 else self.stretch_mean
             per.append(max(th[k] + b * s, 0.0))
         return StepCoefficients(
@@ -210,6 +234,7 @@ class StepTimeModel:
             per_prefill_token_s=max(per[1], 0.0) / _PREFILL_SCALE,
             per_decode_token_s=max(per[2], 0.0) / _DECODE_SCALE,
             per_context_token_s=max(per[3], 0.0) / _CONTEXT_SCALE,
+            per_prefill_token_sq_s=per[4] / _PREFILL_SCALE**2,
         )
 
     def seen_clocks(self, min_samples: int) -> list[int]:
@@ -228,12 +253,16 @@ class PowerSegment:
     clock_mhz: int
     decode_busy: float
     prefill_busy: float
+    prefill_tokens: float = 0.0  # the prefill tokens of its steps with prefill (each)
 
 
 def _power_features(
-    g: float, decode_busy: float, prefill_busy: float, temp_term: float
+    g: float, decode_busy: float, prefill_busy: float, temp_term: float, prefill_tokens: float
 ) -> list[float]:
     g3 = g * g * g
+    # Last, the prefill busy share weighted by its steps' tokens: a step that computes
+    # more tokens is more compute-bound and draws more power at the same clock.
+    intense = prefill_busy * prefill_tokens / _PREFILL_SCALE
     return [
         1.0,
         temp_term,
@@ -245,6 +274,8 @@ def _power_features(
         g3,
         g3 * decode_busy,
         g3 * prefill_busy,
+        g * intense,
+        g3 * intense,
     ]
 
 
@@ -252,26 +283,36 @@ class PowerModel:
     """Board power of one quantization level in a window, linear in its parameters:
 
         P / P_ref = c0 + cT (T - 50)/10 + (c_d, c_p) . busy + sum_{g in f/f_max, (f/f_max)^3}
-                    g * (e0 + e_d busy_decode + e_p busy_prefill)
+                    g * (e0 + e_d busy_decode + e_p busy_prefill + e_n busy_prefill n)
 
     busy_decode / busy_prefill: shares of the window spent in decode-only steps and in
-    steps with prefill. The prior (before any data) is a generic accelerator: idle about
-    16 % of P_ref at the top clock, decode about a third, prefill at P_ref.
+    steps with prefill; n: the prefill tokens of each of those steps (hundreds), so a big
+    chunk's step draws more than a small one's (the prior's e_n is 0). A prediction that
+    names no chunk is for steps like the ones learned from. The prior (before any data)
+    is a generic accelerator: idle about 16 % of P_ref at the top clock, decode about a
+    third, prefill at P_ref.
     """
 
     def __init__(self, sm_clock_max_mhz: int, reference_w: float, forgetting: float = 0.99):
         self.f_max = float(sm_clock_max_mhz)
         self.reference_w = float(reference_w)
-        prior = [0.1, 0.0, 0.1, 0.1, 0.06, 0.0, 0.0, 0.0, 0.1, 0.7]
+        prior = [0.1, 0.0, 0.1, 0.1, 0.06, 0.0, 0.0, 0.0, 0.1, 0.7, 0.0, 0.0]
         self.rls = RecursiveLeastSquares(prior, p0=0.05, forgetting=forgetting, max_trace=5.0)
         self.samples_by_clock: dict[int, int] = {}
+        # The prefill tokens of the steps with prefill learned from (time-weighted, EWMA):
+        # a prediction that names no chunk is for steps like those.
+        self.prefill_tokens_mean: float | None = None
 
     def _features(self, segments: Sequence[PowerSegment], temp_c: float | None) -> list[float]:
         temp_term = 0.0 if temp_c is None else (temp_c - 50.0) / 10.0
-        total = [0.0] * 10
+        total = [0.0] * len(self.rls.theta)
         for seg in segments:
             x = _power_features(
-                seg.clock_mhz / self.f_max, seg.decode_busy, seg.prefill_busy, temp_term
+                seg.clock_mhz / self.f_max,
+                seg.decode_busy,
+                seg.prefill_busy,
+                temp_term,
+                seg.prefill_tokens,
             )
             for i, v in enumerate(x):
                 total[i] += seg.weight * v
@@ -284,6 +325,12 @@ class PowerModel:
             return
         self.rls.update(self._features(segments, temp_c), measured_w / self.reference_w)
         for seg in segments:
+            if seg.prefill_busy > 0 and seg.weight > 0:
+                mean = self.prefill_tokens_mean
+                a = min(1.0, 0.05 * seg.weight * seg.prefill_busy)
+                self.prefill_tokens_mean = (
+                    seg.prefill_tokens if mean is None else mean + a * (seg.prefill_tokens - mean)
+                )
             if seg.weight >= 0.5:
                 self.samples_by_clock[seg.clock_mhz] = (
                     self.samples_by_clock.get(seg.clock_mhz, 0) + 1
@@ -294,9 +341,17 @@ class PowerModel:
         return self.rls.updates
 
     def predict_w(
-        self, clock_mhz: float, decode_busy: float, prefill_busy: float, temp_c: float | None
+        self,
+        clock_mhz: float,
+        decode_busy: float,
+        prefill_busy: float,
+        temp_c: float | None,
+        prefill_tokens: float | None = None,
     ) -> float:
-        seg = PowerSegment(1.0, int(clock_mhz), decode_busy, prefill_busy)
+        """prefill_tokens: of each step with prefill (None: the mean learned from)."""
+        if prefill_tokens is None:
+            prefill_tokens = self.prefill_tokens_mean or 0.0
+        seg = PowerSegment(1.0, int(clock_mhz), decode_busy, prefill_busy, prefill_tokens)
         return max(0.0, self.rls.predict(self._features([seg], temp_c)) * self.reference_w)
 
 
@@ -320,8 +375,24 @@ class Ewma:
 
 
 @dataclass(frozen=True)
+class Chunking:
+    """How prompts split into prefill chunks of at most some room, per prompt on average:
+    chunks, tokens, and the sum of the chunks' squared sizes (what a step cost growing
+    with its tokens is paid on)."""
+
+    chunks: float
+    tokens: float
+    tokens_sq: float
+
+    @property
+    def weighted_chunk(self) -> float:
+        """The mean chunk a prompt token is computed in (token-weighted)."""
+        return self.tokens_sq / self.tokens if self.tokens > 0 else 0.0
+
+
+@dataclass(frozen=True)
 class Workload:
-    """The offered load, as rates (per second) and means."""
+    """The offered load, as rates (per second) and means, and the recent prompts' sizes."""
 
     request_rate_per_s: float
     prompt_tokens_per_s: float
@@ -329,10 +400,26 @@ class Workload:
     mean_prompt_tokens: float
     mean_context_tokens: float  # context each decode token reads
     prefill_time_share: float | None = None  # share of busy time in steps with prefill
+    prompt_sizes: tuple[float, ...] = ()  # the last PROMPT_SIZES_KEPT prompts (tokens)
 
     @property
     def is_idle(self) -> bool:
         return self.output_tokens_per_s <= 0 and self.prompt_tokens_per_s <= 0
+
+    def chunking(self, room: float) -> Chunking:
+        """The recent prompts (the mean prompt without them) in chunks of `room`, scaled
+        to the mean prompt: the spread of sizes is what sets the squares' sum."""
+        room = max(room, 1.0)
+        sizes = self.prompt_sizes or (self.mean_prompt_tokens,)
+        total = sum(sizes)
+        scale = self.mean_prompt_tokens * len(sizes) / total if total > 0 else 1.0
+        chunks = tokens_sq = 0.0
+        for size in sizes:
+            full, rest = divmod(max(size * scale, 0.0), room)
+            chunks += full + (1.0 if rest > 0 else 0.0)
+            tokens_sq += full * room * room + rest * rest
+        n = len(sizes)
+        return Chunking(max(chunks / n, 1.0), self.mean_prompt_tokens, tokens_sq / n)
 
 
 # The mean prompt is the plain mean of the requests seen until there are this many, then a
@@ -340,6 +427,8 @@ class Workload:
 # first request's prompt held 3/4 of the weight a minute into steady load, and the model
 # took a 96-token mix for 200-300 tokens.)
 MEAN_PROMPT_REQUESTS = 30.0
+# How many recent prompts' sizes the workload keeps (for how they split into chunks).
+PROMPT_SIZES_KEPT = 64
 
 
 class WorkloadEstimator:
@@ -352,9 +441,22 @@ class WorkloadEstimator:
         # Over requests, not seconds: each tick's arrivals weigh by their count.
         self._mean_prompt: float | None = None
         self._prompt_requests = 0
+        # A tick's new prompts each as their mean (one a tick, mostly, at these periods).
+        self._prompt_sizes: deque[float] = deque(maxlen=PROMPT_SIZES_KEPT)
         self._context = Ewma(tau_s)
         self._prefill_share = Ewma(tau_s)
         self._last: tuple[float, int, int, int] | None = None
+        # When a request last arrived, and the request rate estimated then.
+        self.last_arrival_s: float | None = None
+        self.rate_at_last_arrival_per_s = 0.0
+
+    def lull(self, now_s: float, gaps: float, min_s: float) -> bool:
+        """No request has arrived for `gaps` mean gaps at the rate estimated when the last
+        one came (at least min_s): by chance once in e^gaps gaps of a steady load."""
+        if self.last_arrival_s is None or self.rate_at_last_arrival_per_s <= 0:
+            return False
+        quiet_s = max(min_s, gaps / self.rate_at_last_arrival_per_s)
+        return now_s - self.last_arrival_s >= quiet_s
 
     def update(
         self,
@@ -383,6 +485,9 @@ class WorkloadEstimator:
                     a = max(dr / self._prompt_requests, 1.0 - math.exp(-dr / MEAN_PROMPT_REQUESTS))
                     prev = self._mean_prompt if self._mean_prompt is not None else dp / dr
                     self._mean_prompt = prev + a * (dp / dr - prev)
+                    self._prompt_sizes.extend([dp / dr] * min(dr, PROMPT_SIZES_KEPT))
+                    self.last_arrival_s = now_s
+                    self.rate_at_last_arrival_per_s = self._rate.value or 0.0
         self._last = (now_s, requests_total, prompt_tokens_total, output_tokens_total)
         decode = sum(s.decode_tokens for s in steps)
         if decode > 0:
@@ -401,6 +506,7 @@ class WorkloadEstimator:
             mean_prompt_tokens=self._mean_prompt or 128.0,
             mean_context_tokens=self._context.value or 256.0,
             prefill_time_share=self._prefill_share.value,
+            prompt_sizes=tuple(self._prompt_sizes),
         )
 
 
@@ -553,12 +659,16 @@ def predict(
     w = workload
     co = step_model.coefficients(clock_mhz, w.mean_context_tokens)
     per_decode = co.per_decode_token_s + co.per_context_token_s * w.mean_context_tokens
+    # The squared prefill cost, on the prompts' chunks at the full token cap.
+    square_s = co.per_prefill_token_sq_s * w.request_rate_per_s
+    square_s *= w.chunking(max_num_batched_tokens).tokens_sq
     u = co.per_prefill_token_s * w.prompt_tokens_per_s + per_decode * w.output_tokens_per_s
+    u += square_s
     stable = u < 0.95
     t_loaded = co.base_s / max(1.0 - u, 0.05)
     # With less than one request decoding per step, a step still decodes one token.
     t_single = (co.base_s + per_decode) / max(
-        1.0 - co.per_prefill_token_s * w.prompt_tokens_per_s, 0.05
+        1.0 - co.per_prefill_token_s * w.prompt_tokens_per_s - square_s, 0.05
     )
     t = (
         t_loaded
@@ -574,33 +684,36 @@ def predict(
         # running request gets a token from each, so the mean gap between its tokens is
         # 1 / (steps per second), and the decode batch that gap holds (output rate x gap)
         # sets every step's length: a fixed point, found in a few rounds.
+        # Where the prompts' chunks leave no time free (a small token cap: every step
+        # carries prefill), the decode batch rides on them alone; the engine keeps up if
+        # they fit the time at the batch their own gap holds.
         period = decode_interval_s
+        free = 1.0
         for _ in range(4):
             batch = max(w.output_tokens_per_s * period, 1.0)
-            room = max(max_num_batched_tokens - batch, 1.0)
-            n_chunks = max(1.0, math.ceil(w.mean_prompt_tokens / room))
-            t_prefill_step = co.step_s(min(w.mean_prompt_tokens, room), batch, batch * ctx)
+            room_chunks = w.chunking(max(max_num_batched_tokens - batch, 1.0))
+            t_prompt = co.prompt_s(room_chunks, batch, batch * ctx)
             t_decode_step = co.step_s(0, batch, batch * ctx)
-            prefill_steps_per_s = w.request_rate_per_s * n_chunks
-            free = 1.0 - prefill_steps_per_s * t_prefill_step
-            if free <= 0.05:
-                stable = False
-                break
-            decode_steps_per_s = free / max(decode_interval_s, t_decode_step)
+            prefill_steps_per_s = w.request_rate_per_s * room_chunks.chunks
+            free = 1.0 - w.request_rate_per_s * t_prompt
+            decode_steps_per_s = max(free, 0.0) / max(decode_interval_s, t_decode_step)
             period = 1.0 / (prefill_steps_per_s + decode_steps_per_s)
+        if free <= 0.05:
+            stable = False
     decode_batch = max(w.output_tokens_per_s * period, 1.0 if not w.is_idle else 0.0)
     if decode_batch > max_num_seqs * 0.9:
         stable = False
-    chunk_room = max(max_num_batched_tokens - decode_batch, 1.0)
-    chunks = max(1.0, math.ceil(w.mean_prompt_tokens / chunk_room))
-    chunk_tokens = min(w.mean_prompt_tokens, chunk_room)
-    t_chunk = co.step_s(chunk_tokens, decode_batch, decode_batch * ctx)
+    # The prompts in chunks of what the token cap leaves beside the decode batch: the
+    # steps a mean prompt takes (their fixed and decode costs once per chunk, the squared
+    # prefill cost on the chunks' sizes, so a smaller cap costs steps and saves squares).
+    chunking = w.chunking(max(max_num_batched_tokens - decode_batch, 1.0))
+    t_prompt = co.prompt_s(chunking, decode_batch, decode_batch * ctx)
     # A step in progress when a request arrives: the unpaced mean step, or a paced batch's.
     t_step = co.step_s(0, decode_batch, decode_batch * ctx) if paced else t
     # The share of time spent on prompts' chunks (rho). Arrivals queue behind each other's
     # prefill: waiting grows like 1 / (1 - rho).
-    prefill_share = w.request_rate_per_s * chunks * t_chunk
-    mean_ttft_s = (0.5 * t_step + chunks * t_chunk) / max(1.0 - prefill_share, 0.05)
+    prefill_share = w.request_rate_per_s * t_prompt
+    mean_ttft_s = (0.5 * t_step + t_prompt) / max(1.0 - prefill_share, 0.05)
     mean_tpot_s = period
     out_per_req = w.output_tokens_per_s / w.request_rate_per_s if w.request_rate_per_s > 0 else 0
     concurrency = w.request_rate_per_s * (mean_ttft_s + out_per_req * period)
@@ -615,9 +728,10 @@ def predict(
         busy = min(busy, step_busy)
         prefill_busy = min(busy, prefill_share)
     decode_busy = max(busy - prefill_busy, 0.0)
-    power = power_model.predict_w(clock_mhz, decode_busy, prefill_busy, temp_c)
+    chunk = chunking.weighted_chunk
+    power = power_model.predict_w(clock_mhz, decode_busy, prefill_busy, temp_c, chunk)
     decode_phase = power_model.predict_w(clock_mhz, 1.0, 0.0, temp_c)
-    prefill_phase = power_model.predict_w(clock_mhz, 0.0, 1.0, temp_c)
+    prefill_phase = power_model.predict_w(clock_mhz, 0.0, 1.0, temp_c, chunk)
     peak = max(decode_phase, prefill_phase) if w.prompt_tokens_per_s > 0 else decode_phase
     j_per_token = power / w.output_tokens_per_s if w.output_tokens_per_s > 0 else math.inf
     if not stable:

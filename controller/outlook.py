@@ -261,3 +261,34 @@ class Outlook:
             if t >= top:
                 return best
             t = min(top, t * 2)
+
+    def chunk_for_energy(
+        self,
+        level: str,
+        clock: int,
+        seqs: int,
+        tokens: int,
+        current: int,
+        workload: Workload,
+        budget_w: float,
+    ) -> int:
+        """The chunk among `tokens` (the latency-bounded one) and its halvings predicted
+        to cost the least J/token at this clock and the decode interval in force, among
+        those predicted to meet the targets (a chunk below the `current` one with
+        descend_margin more); a smaller one must save chunk_gain_min_pct over `tokens`.
+        A step's cost grows faster than its tokens (the step model's squared prefill term,
+        the power model's chunk term), so splitting prompts can pay for the extra steps;
+        with neither learned it never does."""
+        p = self.params
+        base = self.predict(level, clock, seqs, tokens, workload, None)
+        if not math.isfinite(base.j_per_token):
+            return tokens
+        best, best_j = tokens, base.j_per_token * (1.0 - p.chunk_gain_min_pct / 100.0)
+        t = tokens // 2
+        while t >= self.limits.engine.max_num_batched_tokens_min:
+            pr = self.predict(level, clock, seqs, t, workload, None)
+            tighten = p.descend_margin if t < current else 1.0
+            if pr.j_per_token < best_j and self.feasible(pr, budget_w, tighten):
+                best, best_j = t, pr.j_per_token
+            t //= 2
+        return best

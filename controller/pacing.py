@@ -43,6 +43,20 @@ class DecodePacing(Part):
         super().__init__(limits, learner)
         self.state = PacingState()
 
+    def lull(self, now_s: float) -> bool:
+        """No request has arrived for pace_lull_gaps mean gaps (at least pace_period_s):
+        pacing then only adds idle time to the requests still decoding, whose batch no
+        arrival can grow (the steps are the same ones, with the waits between them)."""
+        return self.learner.workload.lull(
+            now_s, self.params.pace_lull_gaps, self.params.pace_period_s
+        )
+
+    def crowded(self) -> bool:
+        """The running batch fills guard_cap_share of the engine's largest cap: an
+        interval lengthens every request's life, so the slots fill and arrivals queue."""
+        cap = self.limits.engine.max_num_seqs_max
+        return self.learner.running_now >= self.params.guard_cap_share * cap
+
     def note_interval_moved(self, now_s: float) -> None:
         """The clock search moved the interval: the next longer one waits pace_period_s."""
         self.state.last_step_s = now_s

@@ -89,12 +89,15 @@ class ControllerParams:
     already run here is left for that one there. Decode pacing: the interval is 0 or one of
     pace_fractions x the TPOT SLO (within the engine's longest); a shorter one is weighed with
     the clocks every observation, a longer one at most every pace_period_s, once the level's
-    model has descend_evidence_steps steps, and never through a trial. A prefill chunk's step at
-    the clock in force stays within chunk_step_slo_factor x the TPOT SLO and
-    chunk_step_ttft_factor x the TTFT SLO. Margins: predictions must meet slo_margin x SLO (x
-    descend_margin for a lower clock) and power_margin x budget; the board power limit is set to
-    power_limit_margin x budget; a reading within power_noise_tolerance over the budget is
-    noise. Guards: a latency guard raises the clock by guard_clock_steps candidates, or to the
+    model has descend_evidence_steps steps, and never through a trial; it is off once no request
+    has arrived for pace_lull_gaps mean gaps (at least pace_period_s) and while the running batch
+    fills guard_cap_share of the engine's cap. A prefill chunk's step at the clock in force stays
+    within chunk_step_slo_factor x the TPOT SLO and chunk_step_ttft_factor x the TTFT SLO; below
+    that bound a smaller chunk is taken where it is predicted to save chunk_gain_min_pct.
+    Margins: predictions must meet slo_margin x SLO (x descend_margin for a lower clock) and
+    power_margin x budget; the board power limit is set to power_limit_margin x budget; a
+    reading within power_noise_tolerance over the budget is noise. Guards: a latency guard
+    raises the clock by guard_clock_steps candidates, or to the
     lowest clock predicted to prefill the waiting queue within slo_margin x the TTFT SLO (at
     most every guard_cooldown_s), and holds that floor for guard_hold_s; a running batch of at
     least guard_cap_share x the engine's largest max_num_seqs that grew guard_rise_factor x over
@@ -136,6 +139,7 @@ class ControllerParams:
     chunk_step_ttft_factor: float = 0.3
     chunk_grow_margin: float = 0.75
     chunk_period_s: float = 10.0
+    chunk_gain_min_pct: float = 0.5
     slo_margin: float = 0.85
     power_margin: float = 0.95
     power_limit_margin: float = 0.98
@@ -180,6 +184,7 @@ class ControllerParams:
     quant_slow_retry_s: float = 600.0
     quant_table_batch_min: int = 8
     pace_period_s: float = 5.0
+    pace_lull_gaps: float = 5.0
     pace_fractions: tuple[float, ...] = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
 
     def __post_init__(self) -> None:

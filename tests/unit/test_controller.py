@@ -769,7 +769,7 @@ def test_a_trial_step_is_judged_with_the_context_cost_folded_in():
     # goes negative). The trial's steps, 0.7 x what that level's steps take, are faster.
     ctl = trial_controller(TABLE_BF16_THEN_INT8)
     before = ctl.learner.step_model("fp32")
-    before.rls.theta = [0.0129, 0.0756, 0.001, 0.0092, -0.002, 0.0233, 0.0134, -0.0073]
+    before.rls.theta = [0.0129, 0.0756, 0.001, 0.0092, -0.002, 0.0233, 0.0134, -0.0073, 0.0, 0.0]
     before.rls.updates = ctl.params.learning_min_steps
     before.stretch_mean = 1.35
     ctl.quant.state.trial = Trial("bf16", "fp32", stuck=False, started_s=0.0)
@@ -1173,3 +1173,72 @@ def test_a_steady_large_batch_or_a_small_rise_leaves_the_clock_to_the_optimizer(
     # A batch as large that has not risen (a steady high load), or one that rose but is
     # far from the cap, is not a burst: no guard.
     assert _cap_guard_after(before, now) is None
+
+
+def test_the_batch_caps_take_a_smaller_chunk_where_the_model_predicts_it_cheaper():
+    # A step model whose steps stretch more than in proportion to their prefill tokens at
+    # 645 MHz (the squared term), prompts of many sizes, paced decode: the cheapest chunk
+    # is a quarter of the engine's, and the caps walk towards it one halving at a time.
+    ctl = make_controller(decode_interval_max_ms=1000.0)
+    plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
+    learn_only(ctl, plant, 120)
+    rng = random.Random(5)
+    sizes = tuple(float(min(400, max(16, round(rng.lognormvariate(4.56, 0.6))))) for _ in range(64))
+    mean = sum(sizes) / len(sizes)
+    load = dataclasses.replace(
+        ctl.learner.workload.current(),
+        request_rate_per_s=2.9,
+        prompt_tokens_per_s=2.9 * mean,
+        output_tokens_per_s=220.0,
+        mean_prompt_tokens=mean,
+        mean_context_tokens=140.0,
+        prefill_time_share=None,
+        prompt_sizes=sizes,
+    )
+    model = ctl.learner.step_model("fp32")
+    knobs = Knobs(64, 512, "fp32", 645, decode_interval_ms=120.0)
+    # The bench's SLOs (TPOT 400 ms), pacing at 120 ms in force.
+    policy = dataclasses.replace(ctl.policy, tpot_slo_ms=400.0)
+    outlook = dataclasses.replace(ctl.outlook(), interval_ms=120.0, policy=policy)
+    # Linear in tokens: no smaller chunk is predicted cheaper.
+    model.rls.theta = [0.010, 0.05, 0.010, 0.0, 0.003, 0.017, 0.003, 0.0, 0.0, 0.0]
+    assert outlook.chunk_for_energy("fp32", 645, 64, 512, 512, load, 400.0) == 512
+    model.rls.theta[9] = 0.01
+    assert outlook.chunk_for_energy("fp32", 645, 64, 512, 512, load, 400.0) == 128
+    # The caps take one halving of it, once a first token has met the margin.
+    ctl.clock.state.ttft_since_change_ms = 500.0
+    _, tokens = ctl.caps.choose("fp32", 645, load, knobs, outlook, 400.0, probing=False)
+    assert tokens == 256
+
+
+def test_no_arrivals_turn_decode_pacing_off():
+    # With no request arriving the running batch only shrinks: an interval between its
+    # steps adds waits and idle power to the same steps, so pacing goes off.
+    ctl = make_controller(decode_interval_max_ms=1000.0)
+    plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
+    run(ctl, plant, 90)
+    assert ctl.knobs.decode_interval_ms > 0
+    plant.request_rate_s = 0.0
+    quiet_from_s = plant.t_s
+    decisions = run(ctl, plant, 12)
+    off = next(d for d in decisions if d.knobs.decode_interval_ms == 0.0)
+    assert "no arrivals" in off.reason
+    # Not before max(pace_period_s, 5 mean gaps at the rate estimated then, about 1/s)
+    # since the last arrival (at most a few seconds before the quiet began).
+    assert off.at_s - quiet_from_s >= 2.0
+    assert all(d.knobs.decode_interval_ms == 0.0 for d in decisions[decisions.index(off) :])
+
+
+def test_a_running_batch_near_the_engine_cap_turns_decode_pacing_off():
+    # Paced at a light load; then the running batch climbs slowly to 3/4 of the cap (too
+    # slowly for the burst guard): an interval would hold every slot longer, so it goes.
+    slow_rise = ControllerParams(guard_rise_factor=100.0)
+    ctl = make_controller(decode_interval_max_ms=1000.0, params=slow_rise)
+    plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
+    run(ctl, plant, 90)
+    interval_ms = ctl.knobs.decode_interval_ms
+    assert interval_ms > 0
+    plant.decode_rate_tok_s = 50.0 / (interval_ms / 1000.0)  # a paced batch of 50
+    decisions = run(ctl, plant, 5)
+    off = next(d for d in decisions if d.knobs.decode_interval_ms == 0.0)
+    assert "near the engine's cap" in off.reason
