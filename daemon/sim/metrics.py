@@ -56,7 +56,42 @@ def summarize(res: RunResult, policy: Policy, scenario: Scenario) -> dict:
         out.update(step_response(res, scenario))
     if res.reasons:
         out["decisions"] = res.reasons
+    out["misses"] = missed_requests(res, policy)
     return out
+
+
+def missed_requests(res: RunResult, policy: Policy, limit: int = 20) -> list[dict]:
+    """The first `limit` requests that missed an SLO, each with what the run was doing when
+    it arrived (the last sample at or before its arrival): where a run's misses came from."""
+    ttft_slo_s, tpot_slo_s = policy.ttft_slo_ms / 1000, policy.tpot_slo_ms / 1000
+    misses = []
+    for arrival_s, ttft, tpot, out_tokens in sorted(res.requests, key=lambda r: r[0]):
+        if ttft is not None and tpot is not None and ttft <= ttft_slo_s and tpot <= tpot_slo_s:
+            continue
+        at = None
+        for sample in res.samples:
+            if sample.t_s > arrival_s:
+                break
+            at = sample
+        misses.append(
+            {
+                "arrival_s": round(arrival_s, 2),
+                "ttft_ms": _ms(ttft) if ttft is not None else None,
+                "tpot_ms": _ms(tpot) if tpot is not None else None,
+                "output_tokens": out_tokens,
+                "at_arrival": None
+                if at is None
+                else {
+                    "sm_clock_mhz": at.sm_clock_mhz,
+                    "running": at.running,
+                    "waiting": at.waiting,
+                    **at.knobs,
+                },
+            }
+        )
+        if len(misses) == limit:
+            break
+    return misses
 
 
 def _ms(x: float) -> float | None:
