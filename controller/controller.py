@@ -488,11 +488,11 @@ class Controller:
         notes += move.notes
         if move.interval_moved:
             self.pacing.note_interval_moved(now_s)
-        elif self.pacing.lull(now_s) or self.pacing.crowded():
+        elif (lull := self.pacing.lull(now_s)) or self.pacing.crowded():
             if knobs.decode_interval_ms > 0:
                 why = (
                     "no arrivals: pacing would only add waits to the requests still decoding"
-                    if self.pacing.lull(now_s)
+                    if lull
                     else "the running batch near the engine's cap: pacing would fill it"
                 )
                 notes.append(f"decode interval {knobs.decode_interval_ms:g} -> 0 ms ({why})")

@@ -196,7 +196,7 @@ class LatencyGuard(Part):
         runs = self.state.running_hist
         cap_bound = (
             lim.hw_limit_enforces(budget_w)
-            and stats.num_running >= p.guard_cap_share * lim.engine.max_num_seqs_max
+            and self.near_engine_cap(stats.num_running)
             and knobs.max_num_seqs >= lim.engine.max_num_seqs_max
             and len(runs) == runs.maxlen
             and stats.num_running >= p.guard_rise_factor * max(runs[0], 1)

@@ -54,8 +54,7 @@ class DecodePacing(Part):
     def crowded(self) -> bool:
         """The running batch fills guard_cap_share of the engine's largest cap: an
         interval lengthens every request's life, so the slots fill and arrivals queue."""
-        cap = self.limits.engine.max_num_seqs_max
-        return self.learner.running_now >= self.params.guard_cap_share * cap
+        return self.near_engine_cap(self.learner.running_now)
 
     def note_interval_moved(self, now_s: float) -> None:
         """The clock search moved the interval: the next longer one waits pace_period_s."""

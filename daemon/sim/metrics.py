@@ -5,6 +5,7 @@ budget step. Pure functions of a RunResult; no plotting, no printing.
 
 from __future__ import annotations
 
+import bisect
 import math
 
 from controller.models import percentile_of
@@ -13,13 +14,19 @@ from daemon.sim.run import RunResult
 from daemon.sim.scenarios import Scenario
 
 
+def _met(ttft_s: float | None, tpot_s: float | None, policy: Policy) -> bool:
+    """Whether one request met both SLOs (an unfinished one misses)."""
+    return (
+        ttft_s is not None
+        and tpot_s is not None
+        and ttft_s <= policy.ttft_slo_ms / 1000
+        and tpot_s <= policy.tpot_slo_ms / 1000
+    )
+
+
 def slo_met(res: RunResult, policy: Policy) -> int:
     """How many of the run's requests met both SLOs (an unfinished one misses)."""
-    ttft_slo_s, tpot_slo_s = policy.ttft_slo_ms / 1000, policy.tpot_slo_ms / 1000
-    return sum(
-        ttft is not None and tpot is not None and ttft <= ttft_slo_s and tpot <= tpot_slo_s
-        for _, ttft, tpot, _ in res.requests
-    )
+    return sum(_met(ttft, tpot, policy) for _, ttft, tpot, _ in res.requests)
 
 
 def summarize(res: RunResult, policy: Policy, scenario: Scenario) -> dict:
@@ -63,16 +70,13 @@ def summarize(res: RunResult, policy: Policy, scenario: Scenario) -> dict:
 def missed_requests(res: RunResult, policy: Policy, limit: int = 20) -> list[dict]:
     """The first `limit` requests that missed an SLO, each with what the run was doing when
     it arrived (the last sample at or before its arrival): where a run's misses came from."""
-    ttft_slo_s, tpot_slo_s = policy.ttft_slo_ms / 1000, policy.tpot_slo_ms / 1000
+    sample_times_s = [s.t_s for s in res.samples]  # in time order
     misses = []
     for arrival_s, ttft, tpot, out_tokens in sorted(res.requests, key=lambda r: r[0]):
-        if ttft is not None and tpot is not None and ttft <= ttft_slo_s and tpot <= tpot_slo_s:
+        if _met(ttft, tpot, policy):
             continue
-        at = None
-        for sample in res.samples:
-            if sample.t_s > arrival_s:
-                break
-            at = sample
+        i = bisect.bisect_right(sample_times_s, arrival_s)
+        at = res.samples[i - 1] if i > 0 else None
         misses.append(
             {
                 "arrival_s": round(arrival_s, 2),
