@@ -275,20 +275,34 @@ class Outlook:
         """The chunk among `tokens` (the latency-bounded one) and its halvings predicted
         to cost the least J/token at this clock and the decode interval in force, among
         those predicted to meet the targets (a chunk below the `current` one with
-        descend_margin more); a smaller one must save chunk_gain_min_pct over `tokens`.
+        descend_margin more); a smaller one must save chunk_gain_min_pct over `tokens`,
+        and any other over the `current` one where that is a candidate that meets them.
         A step's cost grows faster than its tokens (the step model's squared prefill term,
         the power model's chunk term), so splitting prompts can pay for the extra steps;
         with neither learned it never does."""
         p = self.params
+        keep = 1.0 - p.chunk_gain_min_pct / 100.0
         base = self.predict(level, clock, seqs, tokens, workload, None)
         if not math.isfinite(base.j_per_token):
             return tokens
-        best, best_j = tokens, base.j_per_token * (1.0 - p.chunk_gain_min_pct / 100.0)
+        best, best_j = tokens, base.j_per_token
+        incumbent_j = math.inf
+        if current == tokens:
+            incumbent_j = base.j_per_token
         t = tokens // 2
         while t >= self.limits.engine.max_num_batched_tokens_min:
             pr = self.predict(level, clock, seqs, t, workload, None)
             tighten = p.descend_margin if t < current else 1.0
-            if pr.j_per_token < best_j and self.feasible(pr, budget_w, tighten):
-                best, best_j = t, pr.j_per_token
+            if self.feasible(pr, budget_w, tighten):
+                if t == current:
+                    incumbent_j = pr.j_per_token
+                if pr.j_per_token < best_j:
+                    best, best_j = t, pr.j_per_token
             t //= 2
+        # Moving costs a change: away from the chunk in force, and below the bounded one,
+        # only for chunk_gain_min_pct (model noise must not flip it every period).
+        if math.isfinite(incumbent_j) and best_j > incumbent_j * keep:
+            return current
+        if best != tokens and best_j > base.j_per_token * keep:
+            return tokens
         return best

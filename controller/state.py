@@ -93,7 +93,8 @@ class ControllerParams:
     has arrived for pace_lull_gaps mean gaps (at least pace_period_s) and while the running batch
     fills guard_cap_share of the engine's cap. A prefill chunk's step at the clock in force stays
     within chunk_step_slo_factor x the TPOT SLO and chunk_step_ttft_factor x the TTFT SLO; below
-    that bound a smaller chunk is taken where it is predicted to save chunk_gain_min_pct.
+    that bound a smaller chunk is taken where it is predicted to save chunk_gain_min_pct, and
+    the chunk in force is left only for that gain.
     Margins: predictions must meet slo_margin x SLO (x descend_margin for a lower clock) and
     power_margin x budget; the board power limit is set to power_limit_margin x budget; a
     reading within power_noise_tolerance over the budget is noise. Guards: a latency guard

@@ -1211,6 +1211,42 @@ def test_the_batch_caps_take_a_smaller_chunk_where_the_model_predicts_it_cheaper
     assert tokens == 256
 
 
+def test_the_chunk_in_force_is_left_for_no_less_than_the_gain_threshold():
+    # The same set-up: 128 tokens predicted cheapest, 256 in force. The chunk in force is
+    # left only for chunk_gain_min_pct less J/token (model noise between two chunks that
+    # cost about the same must not flip the chunk every period).
+    ctl = make_controller(decode_interval_max_ms=1000.0)
+    plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
+    learn_only(ctl, plant, 120)
+    rng = random.Random(5)
+    sizes = tuple(float(min(400, max(16, round(rng.lognormvariate(4.56, 0.6))))) for _ in range(64))
+    mean = sum(sizes) / len(sizes)
+    load = dataclasses.replace(
+        ctl.learner.workload.current(),
+        request_rate_per_s=2.9,
+        prompt_tokens_per_s=2.9 * mean,
+        output_tokens_per_s=220.0,
+        mean_prompt_tokens=mean,
+        mean_context_tokens=140.0,
+        prefill_time_share=None,
+        prompt_sizes=sizes,
+    )
+    ctl.learner.step_model("fp32").rls.theta = [
+        0.010, 0.05, 0.010, 0.0, 0.003, 0.017, 0.003, 0.0, 0.0, 0.01
+    ]  # fmt: skip
+    policy = dataclasses.replace(ctl.policy, tpot_slo_ms=400.0)
+    outlook = dataclasses.replace(ctl.outlook(), interval_ms=120.0, policy=policy)
+    j = {t: outlook.predict("fp32", 645, 64, t, load, None).j_per_token for t in (128, 256)}
+    gain_pct = 100.0 * (1.0 - j[128] / j[256])
+    assert gain_pct > 0.2
+    for threshold, expect in ((gain_pct + 0.1, 256), (gain_pct - 0.1, 128)):
+        params = dataclasses.replace(outlook.params, chunk_gain_min_pct=threshold)
+        ol = dataclasses.replace(outlook, params=params)
+        assert ol.chunk_for_energy("fp32", 645, 64, 512, 256, load, 400.0) == expect, threshold
+        # From the full chunk the same threshold applies: 128 is taken where it saves it.
+        assert ol.chunk_for_energy("fp32", 645, 64, 512, 512, load, 400.0) == 128
+
+
 def test_no_arrivals_turn_decode_pacing_off():
     # With no request arriving the running batch only shrinks: an interval between its
     # steps adds waits and idle power to the same steps, so pacing goes off.
