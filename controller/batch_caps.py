@@ -1,9 +1,9 @@
 """The batch-cap timescale: every batch_period_s, max_num_seqs (the most sequences a decode
 step may carry) and max_num_batched_tokens (the prefill chunk), sized for the SLOs at the
 clock in force. A clock raise or a latency guard takes a bigger chunk at once elsewhere;
-here the caps grow and shrink on the period, never shrinking while a queue is served or a
-guard holds. It must not import torch or the daemon, read a clock, or touch a device or
-an engine.
+here the caps grow and shrink on the period, never shrinking while a guard holds (nor the
+batch cap while a queue is served). It must not import torch or the daemon, read a clock,
+or touch a device or an engine.
 """
 
 from __future__ import annotations
@@ -75,8 +75,9 @@ class BatchCaps(Part):
         past it), never below a decode batch recent steps ran within the SLO, nor below
         twice the batch the load needs. max_num_batched_tokens: the chunk cap at the clock
         in force (Outlook.chunk_cap; a step once started runs at the clock it started at,
-        and no decision comes while it runs). Neither shrinks while a queue is served or a
-        guard holds, nor the batch cap when no candidate meets the targets; the chunk does
+        and no decision comes while it runs). Neither shrinks while a guard holds; the
+        batch cap not while a queue is served nor when no candidate meets the targets (the
+        chunk may: holding it too measured no better, see the control log); the chunk does
         not grow where only the clock holds the budget (a bigger chunk draws more power at
         the same clock)."""
         p = self.params
