@@ -1175,10 +1175,10 @@ def test_a_steady_large_batch_or_a_small_rise_leaves_the_clock_to_the_optimizer(
     assert _cap_guard_after(before, now) is None
 
 
-def test_the_batch_caps_take_a_smaller_chunk_where_the_model_predicts_it_cheaper():
-    # A step model whose steps stretch more than in proportion to their prefill tokens at
-    # 645 MHz (the squared term), prompts of many sizes, paced decode: the cheapest chunk
-    # is a quarter of the engine's, and the caps walk towards it one halving at a time.
+def _chunk_case():
+    """A controller that has learned on a plant, a load of prompts of many sizes (2.9 a
+    second, 220 output tokens a second) and its outlook at the bench's SLOs (TPOT 400 ms)
+    with 120 ms pacing in force, for the chunk tests."""
     ctl = make_controller(decode_interval_max_ms=1000.0)
     plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
     learn_only(ctl, plant, 120)
@@ -1195,11 +1195,18 @@ def test_the_batch_caps_take_a_smaller_chunk_where_the_model_predicts_it_cheaper
         prefill_time_share=None,
         prompt_sizes=sizes,
     )
-    model = ctl.learner.step_model("fp32")
-    knobs = Knobs(64, 512, "fp32", 645, decode_interval_ms=120.0)
-    # The bench's SLOs (TPOT 400 ms), pacing at 120 ms in force.
     policy = dataclasses.replace(ctl.policy, tpot_slo_ms=400.0)
     outlook = dataclasses.replace(ctl.outlook(), interval_ms=120.0, policy=policy)
+    return ctl, load, outlook
+
+
+def test_the_batch_caps_take_a_smaller_chunk_where_the_model_predicts_it_cheaper():
+    # A step model whose steps stretch more than in proportion to their prefill tokens at
+    # 645 MHz (the squared term), prompts of many sizes, paced decode: the cheapest chunk
+    # is a quarter of the engine's, and the caps walk towards it one halving at a time.
+    ctl, load, outlook = _chunk_case()
+    model = ctl.learner.step_model("fp32")
+    knobs = Knobs(64, 512, "fp32", 645, decode_interval_ms=120.0)
     # Linear in tokens: no smaller chunk is predicted cheaper.
     model.rls.theta = [0.010, 0.05, 0.010, 0.0, 0.003, 0.017, 0.003, 0.0, 0.0, 0.0]
     assert outlook.chunk_for_energy("fp32", 645, 64, 512, 512, load, 400.0) == 512
@@ -1212,30 +1219,13 @@ def test_the_batch_caps_take_a_smaller_chunk_where_the_model_predicts_it_cheaper
 
 
 def test_the_chunk_in_force_is_left_for_no_less_than_the_gain_threshold():
-    # The same set-up: 128 tokens predicted cheapest, 256 in force. The chunk in force is
+    # The same case: 128 tokens predicted cheapest, 256 in force. The chunk in force is
     # left only for chunk_gain_min_pct less J/token (model noise between two chunks that
     # cost about the same must not flip the chunk every period).
-    ctl = make_controller(decode_interval_max_ms=1000.0)
-    plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
-    learn_only(ctl, plant, 120)
-    rng = random.Random(5)
-    sizes = tuple(float(min(400, max(16, round(rng.lognormvariate(4.56, 0.6))))) for _ in range(64))
-    mean = sum(sizes) / len(sizes)
-    load = dataclasses.replace(
-        ctl.learner.workload.current(),
-        request_rate_per_s=2.9,
-        prompt_tokens_per_s=2.9 * mean,
-        output_tokens_per_s=220.0,
-        mean_prompt_tokens=mean,
-        mean_context_tokens=140.0,
-        prefill_time_share=None,
-        prompt_sizes=sizes,
-    )
+    ctl, load, outlook = _chunk_case()
     ctl.learner.step_model("fp32").rls.theta = [
         0.010, 0.05, 0.010, 0.0, 0.003, 0.017, 0.003, 0.0, 0.0, 0.01
     ]  # fmt: skip
-    policy = dataclasses.replace(ctl.policy, tpot_slo_ms=400.0)
-    outlook = dataclasses.replace(ctl.outlook(), interval_ms=120.0, policy=policy)
     j = {t: outlook.predict("fp32", 645, 64, t, load, None).j_per_token for t in (128, 256)}
     gain_pct = 100.0 * (1.0 - j[128] / j[256])
     assert gain_pct > 0.2
