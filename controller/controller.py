@@ -400,17 +400,20 @@ class Controller:
         )
         if learning:
             top = ceiling if ceiling is not None else self.device.sm_clock_max_mhz
-            # The first level learns at the top clock (nothing is known yet); a level tried
-            # later learns where the controller already runs: its model starts from the
-            # other level's clock sensitivity, and the guards stay armed.
+            # The first level learns at the top clock, unpaced (nothing is known yet); a
+            # level tried later learns where the controller already runs, at its clock and
+            # decode interval: its model starts from the other level's clock sensitivity,
+            # and the guards stay armed.
             trained = any(
                 m.samples >= p.learning_min_steps
                 for lv, m in self.learner.step_models.items()
                 if lv != level
             )
+            interval_ms = 0.0
             if trained and power_model.samples >= p.learning_min_power_samples:
                 top = min(top, base.sm_clock_mhz or top)
-            knobs = base.with_changes(sm_clock_mhz=top, decode_interval_ms=0.0)
+                interval_ms = base.decode_interval_ms
+            knobs = base.with_changes(sm_clock_mhz=top, decode_interval_ms=interval_ms)
             return Choice(
                 ControllerState.LEARNING,
                 knobs,
@@ -451,8 +454,6 @@ class Controller:
             power_limit_w=self.limits.power_limit_for(budget_w),
             decode_interval_ms=0.0,
         )
-
-    # ---- tracking ----------------------------------------
 
     # ---- tracking ----------------------------------------
 

@@ -538,9 +538,13 @@ class QuantTimescale(Part):
             self.limits.engine.max_num_batched_tokens_min,
             base.max_num_batched_tokens // p.quant_trial_probe_fraction,
         )
-        # No decode pacing through a trial: its verdict compares the two levels' models,
-        # and a young model's paced predictions rest on batches it has not seen.
-        knobs = base.with_changes(quant_level=target, decode_interval_ms=0.0)
+        # A calm trial runs at the decode interval in force: pacing is not the level's to
+        # decide, and the tried level's model then learns the paced batches it would be
+        # judged at (the verdict compares the two levels at the knobs in force). Unpaced,
+        # a trial of a never-run level cost the cold start most of its paced savings for
+        # 10 s. An escape runs unpaced: the level it leaves cannot cope.
+        interval_ms = 0.0 if stuck else base.decode_interval_ms
+        knobs = base.with_changes(quant_level=target, decode_interval_ms=interval_ms)
         note = ""
         if probe < base.max_num_batched_tokens and not stuck:
             s.probe_chunk_from = base.max_num_batched_tokens

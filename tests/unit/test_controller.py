@@ -1019,6 +1019,25 @@ def test_a_calm_trial_probes_with_a_small_chunk_and_restores_it(speed):
         assert back.knobs.quant_level == "int8" and "within" in back.reason
 
 
+def test_a_calm_trial_keeps_the_decode_interval_in_force():
+    # Pacing is not the level's to decide: a calm trial of a never-run level, and that
+    # level's learning, run at the interval in force (unpaced, the cold start gave up
+    # most of pacing's saving for the trial's 10 s).
+    params = ControllerParams(quant_dwell_s=20.0, quant_explore_dwell_s=10.0)
+    ctl = make_controller(
+        levels=TABLE_INT8_TWICE_AS_FAST, params=params, decode_interval_max_ms=1000.0
+    )
+    decisions = run(ctl, calm_plant({"fp32": 1.0, "int8": 0.8}), 60)
+    i = next(i for i, d in enumerate(decisions) if d.reason_code is Reason.QUANT_EXPLORE)
+    paced_ms = decisions[i - 1].knobs.decode_interval_ms
+    assert paced_ms > 0
+    assert decisions[i].knobs.quant_level == "int8"
+    assert decisions[i].knobs.decode_interval_ms == paced_ms
+    learning = [d for d in decisions[i + 1 :] if d.reason_code is Reason.LEARNING]
+    assert learning
+    assert all(d.knobs.decode_interval_ms == paced_ms for d in learning)
+
+
 def test_after_the_power_guard_acts_the_board_limit_is_not_taken_on_trust():
     # Where the board limit can hold the budget, the optimiser takes its word for any
     # clock; once the power guard has had to act (the limit did not hold), a clock
