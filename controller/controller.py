@@ -259,7 +259,7 @@ class Controller:
             before_step=self.quant.judge_trial_step,
         )
         self.clock.note_first_tokens(stats.ttft_s, now_s)
-        self.latency_guard.note_queue(stats.num_waiting, stats.num_running)
+        self.latency_guard.note_queue(stats.num_waiting, stats.num_running, now_s)
         self.latency_guard.note_latencies(stats.ttft_s, stats.tpot_s, now_s)
 
     def _clock_now(self, telemetry: Telemetry | None) -> int | None:

@@ -61,6 +61,8 @@ class LatencyGuardState:
     bar_mhz: int | None = None  # a reverted descent: no clock below this while it holds
     bar_until_s: float = -math.inf
     pace_bar_ms: float | None = None  # and no decode interval longer than this
+    hold_until_s: float = -math.inf  # the timescales hold still until then
+    queue_floor: bool = False  # the floor in force was put up by a queue, not a miss
 
 
 class LatencyGuard(Part):
@@ -73,9 +75,22 @@ class LatencyGuard(Part):
             running_hist=deque(maxlen=max(2, limits.params.guard_rise_ticks + 1)),
         )
 
-    def note_queue(self, num_waiting: int, num_running: int) -> None:
-        self.state.waiting_hist.append(num_waiting)
-        self.state.running_hist.append(num_running)
+    def note_queue(self, num_waiting: int, num_running: int, now_s: float) -> None:
+        """The queue now. A floor a queue put up lets go once guard_release_s have passed
+        and the queue has stayed empty for the waiting history, with the running batch
+        off the engine's cap: it was there to drain the queue, not to run the load."""
+        s = self.state
+        s.waiting_hist.append(num_waiting)
+        s.running_hist.append(num_running)
+        if (
+            s.queue_floor
+            and now_s < s.floor_until_s
+            and now_s - s.last_fired_s >= self.params.guard_release_s
+            and len(s.waiting_hist) == s.waiting_hist.maxlen
+            and not any(s.waiting_hist)
+            and not self.near_engine_cap(num_running)
+        ):
+            s.floor_until_s = s.hold_until_s = now_s
 
     def note_latencies(
         self, ttft_s: tuple[float, ...], tpot_s: tuple[float, ...], now_s: float
@@ -137,8 +152,9 @@ class LatencyGuard(Part):
         return now_s - self.state.last_fired_s < seconds
 
     def holding(self, now_s: float) -> bool:
-        """Fired within guard_hold_s: the timescales do not shrink or switch meanwhile."""
-        return self.fired_within(now_s, self.params.guard_hold_s)
+        """Fired within guard_hold_s (or until its floor let go): the timescales do not
+        shrink or switch meanwhile."""
+        return now_s < self.state.hold_until_s
 
     def release_floor(self) -> None:
         """Transition: the power guard fired; power wins over latency."""
@@ -253,7 +269,7 @@ class LatencyGuard(Part):
         )
         if unchanged and not pace_off:
             return None  # nothing left to raise: let the optimizer keep its choice
-        self._hold_floor(target, now_s)
+        self._hold_floor(target, now_s, queue=not (ttft_miss or tpot_miss or long_wait))
         if growing or long_wait or cap_bound or queue_late:
             code = Reason.QUEUE_GROWTH
             if cap_bound and not long_wait:
@@ -337,6 +353,7 @@ class LatencyGuard(Part):
         target = max(clock, min(w.from_mhz, top))
         interval = min(knobs.decode_interval_ms, w.from_interval_ms)
         s.last_fired_s = now_s
+        s.hold_until_s = now_s + p.guard_hold_s
         s.bar_mhz = target
         s.pace_bar_ms = interval
         s.bar_until_s = now_s + p.descent_bar_s
@@ -355,9 +372,10 @@ class LatencyGuard(Part):
             f"lower settings barred {p.descent_bar_s:g} s",
         )
 
-    def _hold_floor(self, target_mhz: int, now_s: float) -> None:
+    def _hold_floor(self, target_mhz: int, now_s: float, queue: bool) -> None:
         """Transition: fired; the clock stepped up to is the floor for guard_hold_s."""
         s = self.state
         s.last_fired_s = now_s
         s.floor_mhz = target_mhz
-        s.floor_until_s = now_s + self.params.guard_hold_s
+        s.floor_until_s = s.hold_until_s = now_s + self.params.guard_hold_s
+        s.queue_floor = queue

@@ -100,7 +100,10 @@ class ControllerParams:
     reading within power_noise_tolerance over the budget is noise. Guards: a latency guard
     raises the clock by guard_clock_steps candidates, or to the
     lowest clock predicted to prefill the waiting queue within slo_margin x the TTFT SLO (at
-    most every guard_cooldown_s), and holds that floor for guard_hold_s; a running batch of at
+    most every guard_cooldown_s), and holds that floor for guard_hold_s (a floor a queue put up,
+    not a miss or a long wait, lets go guard_release_s after the step up or later, once the
+    queue has stayed empty for the waiting history and the running batch is off the engine's
+    cap; quantization trials still wait guard_hold_s); a running batch of at
     least guard_cap_share x the engine's largest max_num_seqs that grew guard_rise_factor x over
     the last guard_rise_ticks observations (a burst filling the engine) takes the top clock the
     budget allows and no pacing at once, where the board limit holds the budget. Adaptive
@@ -150,6 +153,7 @@ class ControllerParams:
     guard_rise_factor: float = 1.3
     guard_cooldown_s: float = 1.0
     guard_hold_s: float = 10.0
+    guard_release_s: float = 2.0
     margin_alpha: float = 0.1
     margin_max: float = 4.0
     margin_settle_s: float = 60.0

@@ -617,6 +617,35 @@ def test_a_late_queue_steps_up_before_anyone_waits_half_the_slo():
     assert d.knobs.sm_clock_mhz > clock
 
 
+def test_a_queues_floor_lets_go_once_the_queue_has_drained():
+    # A late queue puts up a floor to drain it, not to run the load: once no request
+    # has waited for the waiting history, guard_release_s after the step up, the floor
+    # and the hold go and the optimizer may walk back down within guard_hold_s. (A
+    # measured miss's floor holds its whole guard_hold_s: the test above.)
+    ctl = make_controller()
+    plant = Plant(compute_share=0.1)
+    run(ctl, plant, 60)
+    clock = ctl.knobs.sm_clock_mhz
+    telemetry, stats = plant.tick(ctl.knobs)
+    many = EngineStats(**{**stats.__dict__, "num_waiting": 60, "oldest_waiting_s": 0.3})
+    d = ctl.observe(telemetry, many, plant.t_s)
+    assert d.reason_code is Reason.QUEUE_GROWTH and d.knobs.sm_clock_mhz > clock
+    fired_s, floor = plant.t_s, d.knobs.sm_clock_mhz
+    released_s = None
+    below = []
+    knobs = d.knobs
+    for _ in range(int(0.8 * ctl.params.guard_hold_s / TICK_S)):
+        telemetry, stats = plant.tick(knobs)
+        d = ctl.observe(telemetry, stats, plant.t_s)
+        knobs = d.knobs if d.apply else knobs
+        if released_s is None and ctl.latency_guard.floor(plant.t_s) is None:
+            released_s = plant.t_s
+        below.append(knobs.sm_clock_mhz < floor)
+    assert released_s is not None
+    assert released_s - fired_s >= ctl.params.guard_release_s
+    assert any(below)
+
+
 def test_no_clock_descent_while_requests_wait():
     ctl = make_controller()
     plant = Plant(compute_share=0.1)
@@ -1169,7 +1198,7 @@ def _cap_guard_after(running_before: int, running_now: int):
     paced = ctl.knobs.with_changes(sm_clock_mhz=LADDER[10], decode_interval_ms=80.0)
     ticks = ctl.params.guard_rise_ticks
     for i in range(ticks + 1):
-        ctl.latency_guard.note_queue(0, running_before if i < ticks else running_now)
+        ctl.latency_guard.note_queue(0, running_before if i < ticks else running_now, 0.0)
     telemetry, stats = plant.tick(paced)
     stats = dataclasses.replace(stats, num_running=running_now, num_waiting=0, ttft_s=(), tpot_s=())
     ctl.latency_guard.state.last_fired_s = -math.inf
