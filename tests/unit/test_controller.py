@@ -231,6 +231,15 @@ def run(ctl: Controller, plant: Plant, seconds: float, **tick_kwargs) -> list:
     return decisions
 
 
+def settled_on_a_light_load() -> tuple[Controller, Plant]:
+    """A controller after 60 s of a light load whose steps barely stretch with the clock
+    (compute share 0.1): settled at a low clock."""
+    ctl = make_controller()
+    plant = Plant(compute_share=0.1)
+    run(ctl, plant, 60)
+    return ctl, plant
+
+
 def test_candidate_clocks_span_the_ladder():
     c = candidate_clocks(LADDER, 12)
     assert c[0] == LADDER[0] and c[-1] == LADDER[-1]
@@ -296,9 +305,7 @@ def test_power_settles_below_a_lowered_budget_on_the_plant():
 
 
 def test_queue_growth_steps_up_at_once():
-    ctl = make_controller()
-    plant = Plant(compute_share=0.1)
-    run(ctl, plant, 60)
+    ctl, plant = settled_on_a_light_load()
     clock = ctl.knobs.sm_clock_mhz
     assert clock < LADDER[-1]
     decision = None
@@ -315,9 +322,7 @@ def test_queue_growth_steps_up_at_once():
 
 
 def test_no_clock_raise_while_the_hardware_slows_the_gpu_down_until_it_clears():
-    ctl = make_controller()
-    plant = Plant(compute_share=0.1)
-    run(ctl, plant, 60)
+    ctl, plant = settled_on_a_light_load()
     clock = ctl.knobs.sm_clock_mhz
     assert clock < LADDER[-1]
     # A power brake (or HW slowdown): steps slow down, the queue grows, a TTFT is missed;
@@ -353,9 +358,7 @@ def test_under_a_hardware_slowdown_the_power_guard_still_lowers_the_clock():
 
 
 def test_measured_slo_miss_steps_up_and_holds_a_floor():
-    ctl = make_controller()
-    plant = Plant(compute_share=0.1)
-    run(ctl, plant, 60)
+    ctl, plant = settled_on_a_light_load()
     clock = ctl.knobs.sm_clock_mhz
     telemetry, stats = plant.tick(ctl.knobs)
     stats = EngineStats(**{**stats.__dict__, "ttft_s": (2.5,)})
@@ -596,9 +599,7 @@ def test_status_is_json_ready():
 
 
 def test_a_late_queue_steps_up_before_anyone_waits_half_the_slo():
-    ctl = make_controller()
-    plant = Plant(compute_share=0.1)
-    run(ctl, plant, 60)
+    ctl, plant = settled_on_a_light_load()
     clock = ctl.knobs.sm_clock_mhz
     assert clock < 1500
     # One waiting prompt fits well inside the SLO: no guard.
@@ -621,10 +622,9 @@ def test_a_queues_floor_lets_go_once_the_queue_has_drained():
     # A late queue puts up a floor to drain it, not to run the load: once no request
     # has waited for the waiting history, guard_release_s after the step up, the floor
     # and the hold go and the optimizer may walk back down within guard_hold_s. (A
-    # measured miss's floor holds its whole guard_hold_s: the test above.)
-    ctl = make_controller()
-    plant = Plant(compute_share=0.1)
-    run(ctl, plant, 60)
+    # measured miss's floor holds its whole guard_hold_s:
+    # test_measured_slo_miss_steps_up_and_holds_a_floor.)
+    ctl, plant = settled_on_a_light_load()
     clock = ctl.knobs.sm_clock_mhz
     telemetry, stats = plant.tick(ctl.knobs)
     many = EngineStats(**{**stats.__dict__, "num_waiting": 60, "oldest_waiting_s": 0.3})
@@ -647,9 +647,7 @@ def test_a_queues_floor_lets_go_once_the_queue_has_drained():
 
 
 def test_no_clock_descent_while_requests_wait():
-    ctl = make_controller()
-    plant = Plant(compute_share=0.1)
-    run(ctl, plant, 60)
+    ctl, plant = settled_on_a_light_load()
     low = ctl.knobs.sm_clock_mhz
     telemetry, stats = plant.tick(ctl.knobs)
     d = ctl.observe(telemetry, EngineStats(**{**stats.__dict__, "ttft_s": (2.5,)}), plant.t_s)
