@@ -39,7 +39,8 @@ class Outlook:
     interval_ms: float  # the decode pacing interval in force
 
     def guard_holds(self) -> bool:
-        """A latency guard fired within guard_hold_s (nothing shrinks or switches)."""
+        """A latency guard's hold is in force (nothing shrinks or switches): guard_hold_s
+        after it fired, or until a queue's floor let go."""
         return self.latency_guard.holding(self.now_s)
 
     def ttft_ratio(self) -> float:
