@@ -342,6 +342,17 @@ class Controller:
                 f"(max_ppl_increase_pct {policy.max_ppl_increase_pct}): switching to {target}",
             )
 
+        # Before anything is learned: the level bench quant's table ranks first.
+        start = self.quant.starting_level(allowed, level)
+        if start is not None:
+            return Choice(
+                ControllerState.LEARNING,
+                base.with_changes(quant_level=start),
+                Reason.QUANT_SWITCH,
+                f"quantization {level} -> {start}: nothing learned yet, and bench quant's "
+                f"table ranks {start} first of the allowed levels",
+            )
+
         # A trial whose steps measure much slower than the level before ends at once.
         verdict = self.quant.verdict(base, now_s)
         if verdict is not None:

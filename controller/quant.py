@@ -7,7 +7,9 @@ predicted better; bench quant's speed table orders the trials and rules where th
 have not seen the batches running. It must not import torch or the daemon, read a clock,
 or touch a device or an engine.
 
-States: settled (one level runs) -- a never-run level tried --> trial (probing with a
+States: nothing learned -- the table ranks another allowed level first --> settled on
+that level (the level left counts as never run). Settled (one level runs) -- a never-run
+level tried --> trial (probing with a
 small chunk while not stuck, then at the full chunk once its steps vouch) -- verdict:
 measured slower or still learning --> back to the level before | dwell over --> kept if
 predicted better, else back. Settled -- predicted gain after the dwell, the table ruling
@@ -102,6 +104,25 @@ class QuantTimescale(Part):
         """The trial's steps so far ran within the slowdown bound, enough of them to judge."""
         enough, slow = self._trial_evidence()
         return enough and not slow
+
+    def starting_level(self, allowed: tuple[str, ...], current: str) -> str | None:
+        """Before any level is trained: the allowed level bench quant's table ranks first,
+        where the table measured both it and the level in force, it decodes faster, and its
+        prefill is not slower than a trial tolerates (None otherwise). Learning the level
+        in force first would spend the cold start, and a trial, on a level the table
+        already calls slower. The level left has a few steps and no trained model: it is
+        tried at a calm moment like a never-run level, so a table from another machine
+        that ranks the levels wrongly is found out by that trial."""
+        if not self.params.quant_start_by_table or not allowed:
+            return None
+        if any(self.learner.trained(lv) for lv in self.learner.step_models):
+            return None
+        first = sorted(allowed, key=self.table.order)[0]
+        if first == current or not self.table.measured_faster(first, current):
+            return None
+        if self.table.prefill_slower(first, current, self.params.quant_trial_slowdown_max):
+            return None
+        return first
 
     def best_allowed_level(self, allowed: tuple[str, ...], current: str) -> str:
         full = self.limits.engine.full_precision_level
@@ -457,7 +478,8 @@ class QuantTimescale(Part):
             for lv in allowed
             if lv != level
             and (
-                (lv not in s.explored and lv not in self.learner.step_models)
+                # (A level left at the cold start has a few steps, no trained model.)
+                (lv not in s.explored and not self.learner.trained(lv))
                 or (
                     not self.learner.trained(lv)
                     and now_s - s.aborted_s.get(lv, math.inf) >= p.quant_peak_window_s

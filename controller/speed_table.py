@@ -24,6 +24,11 @@ class SpeedTable:
         """The table ranks `level` faster than `than`, or has no speed for it."""
         return self.order(level)[0] < self.order(than)[0] or self.order(level)[0] == 0.0
 
+    def measured_faster(self, level: str, than: str) -> bool:
+        """The table has decode speeds for both and ranks `level` faster."""
+        mine, theirs = self.order(level)[0], self.order(than)[0]
+        return mine < 0.0 and theirs < 0.0 and mine < theirs
+
     def prefill_slower(self, level: str, than: str, factor: float) -> bool:
         """Whether the table's prefill speed of `level` is below `than`'s by more than
         `factor` (False where either is not in the table)."""

@@ -73,7 +73,9 @@ class ControllerParams:
     clock in force), the batch caps every batch_period_s (the chunk at most every
     chunk_period_s, growing only within chunk_grow_margin of its bound), the quantization level
     after quant_dwell_s for a predicted gain of quant_gain_min_pct (a never-run level is tried
-    for quant_explore_dwell_s; a level that cannot cope for quant_stuck_s is left sooner); a
+    for quant_explore_dwell_s; a level that cannot cope for quant_stuck_s is left sooner); with
+    quant_start_by_table, before any level is trained the controller moves to the allowed level
+    bench quant's table ranks fastest (the level left is then tried like any never-run one); a
     level's model is trusted up to batch_trust_factor x the largest decode batch it has been
     fitted around (at least batch_trust_min), and a switch needs that trust at the largest batch
     of the last quant_peak_window_s; nothing switches while a queue is served or a guard holds,
@@ -131,6 +133,7 @@ class ControllerParams:
     batch_period_s: float = 2.0
     quant_dwell_s: float = 30.0
     quant_explore_dwell_s: float = 10.0
+    quant_start_by_table: bool = True
     quant_gain_min_pct: float = 10.0
     quant_stuck_s: float = 3.0
     clock_gain_min_pct: float = 3.0

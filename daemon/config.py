@@ -212,6 +212,11 @@ class ControllerConfig(_Section):
     quant_gain_min_pct: float = Field(
         10.0, ge=0, description="Predicted J/token gain a quantization switch must bring."
     )
+    quant_start_by_table: bool = Field(
+        True,
+        description="Before anything is learned, start on the allowed level bench quant's "
+        "table ranks fastest.",
+    )
     slo_margin: float = Field(0.85, gt=0, le=1, description="Predictions must meet SLO x this.")
     power_margin: float = Field(
         0.95, gt=0, le=1, description="Predictions must meet budget x this."

@@ -105,6 +105,7 @@ def params_from_config(cfg: ControllerConfig) -> ControllerParams:
         batch_period_s=cfg.batch_period_s,
         quant_dwell_s=cfg.quant_dwell_s,
         quant_gain_min_pct=cfg.quant_gain_min_pct,
+        quant_start_by_table=cfg.quant_start_by_table,
         slo_margin=cfg.slo_margin,
         power_margin=cfg.power_margin,
         stale_hold_s=cfg.stale_hold_s,

@@ -195,8 +195,12 @@ TABLE_BF16_THEN_INT8 = (
 
 
 def trial_controller(levels: tuple[QuantOption, ...]) -> Controller:
-    """A controller that tries levels quickly: 10 s trials, a 20 s dwell."""
-    params = ControllerParams(quant_dwell_s=20.0, quant_explore_dwell_s=10.0)
+    """A controller that tries levels quickly: 10 s trials, a 20 s dwell. It starts on the
+    full-precision level loaded, not the table's first (the tests that use it follow
+    trials from there)."""
+    params = ControllerParams(
+        quant_dwell_s=20.0, quant_explore_dwell_s=10.0, quant_start_by_table=False
+    )
     return make_controller(levels=levels, params=params)
 
 
@@ -1050,7 +1054,9 @@ def test_a_calm_trial_keeps_the_decode_interval_in_force():
     # Pacing is not the level's to decide: a calm trial of a never-run level, and that
     # level's learning, run at the interval in force (unpaced, the cold start gave up
     # most of pacing's saving for the trial's 10 s).
-    params = ControllerParams(quant_dwell_s=20.0, quant_explore_dwell_s=10.0)
+    params = ControllerParams(
+        quant_dwell_s=20.0, quant_explore_dwell_s=10.0, quant_start_by_table=False
+    )
     ctl = make_controller(
         levels=TABLE_INT8_TWICE_AS_FAST, params=params, decode_interval_max_ms=1000.0
     )
@@ -1314,3 +1320,33 @@ def test_a_running_batch_near_the_engine_cap_turns_decode_pacing_off():
     decisions = run(ctl, plant, 5)
     off = next(d for d in decisions if d.knobs.decode_interval_ms == 0.0)
     assert "near the engine's cap" in off.reason
+
+
+def test_the_cold_start_learns_the_level_the_table_ranks_first():
+    # bench quant's table ranks bf16 first: the controller moves there before it has
+    # learned anything, and never spends the cold start (or a trial) on fp32.
+    params = ControllerParams(quant_dwell_s=20.0, quant_explore_dwell_s=10.0)
+    ctl = make_controller(levels=TABLE_BF16_THEN_INT8, params=params)
+    decisions = run(ctl, calm_plant({"fp32": 1.0, "bf16": 0.6, "int8": 0.8}), 60)
+    assert decisions[0].reason_code is Reason.QUANT_SWITCH
+    assert decisions[0].knobs.quant_level == "bf16"
+    assert ctl.learner.trained("bf16") and not ctl.learner.trained("fp32")
+    assert decisions[-1].knobs.quant_level == "bf16"
+    # Without the table's speeds nothing ranks the levels: the level loaded is learned.
+    ctl = make_controller(levels=(QuantOption("fp32", 0.0, 4), QuantOption("bf16", 0.1, 2)))
+    decisions = run(ctl, calm_plant({"fp32": 1.0, "bf16": 0.6}), 5)
+    assert all(d.knobs.quant_level == "fp32" for d in decisions)
+
+
+def test_a_start_level_a_wrong_table_ranked_first_is_left_for_the_level_loaded():
+    # A table from another machine ranks int8 twice as fast as fp32; here int8's steps take
+    # four times fp32's. The cold start goes to int8, and the calm trial of fp32 (a
+    # never-run level like any other) finds fp32 better and keeps it.
+    params = ControllerParams(quant_dwell_s=20.0, quant_explore_dwell_s=10.0)
+    ctl = make_controller(levels=TABLE_INT8_TWICE_AS_FAST, params=params)
+    decisions = run(ctl, calm_plant({"fp32": 1.0, "int8": 4.0}), 120)
+    assert decisions[0].knobs.quant_level == "int8"
+    tried = [d for d in decisions if d.reason_code is Reason.QUANT_EXPLORE]
+    assert tried and tried[0].knobs.quant_level == "fp32"
+    i = decisions.index(tried[0])
+    assert all(d.knobs.quant_level == "fp32" for d in decisions[i:])
