@@ -9,11 +9,10 @@ or touch a device or an engine.
 
 States: nothing learned -- the table ranks another allowed level first --> settled on
 that level (the level left counts as never run). Settled (one level runs) -- a never-run
-level tried --> trial (probing with a
-small chunk while not stuck, then at the full chunk once its steps vouch) -- verdict:
-measured slower or still learning --> back to the level before | dwell over --> kept if
-predicted better, else back. Settled -- predicted gain after the dwell, the table ruling
-at large batches, or stuck --> another known level.
+level tried --> trial (probing with a small chunk while not stuck, then at the full chunk
+once its steps vouch) -- verdict: measured slower or still learning --> back to the level
+before | dwell over --> kept if predicted better, else back. Settled -- predicted gain
+after the dwell, the table ruling at large batches, or stuck --> another known level.
 """
 
 from __future__ import annotations

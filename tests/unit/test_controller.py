@@ -1324,7 +1324,7 @@ def test_a_running_batch_near_the_engine_cap_turns_decode_pacing_off():
 
 def test_the_cold_start_learns_the_level_the_table_ranks_first():
     # bench quant's table ranks bf16 first: the controller moves there before it has
-    # learned anything, and never spends the cold start (or a trial) on fp32.
+    # learned anything, and does not spend the cold start (or a trial) on fp32.
     params = ControllerParams(quant_dwell_s=20.0, quant_explore_dwell_s=10.0)
     ctl = make_controller(levels=TABLE_BF16_THEN_INT8, params=params)
     decisions = run(ctl, calm_plant({"fp32": 1.0, "bf16": 0.6, "int8": 0.8}), 60)
