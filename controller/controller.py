@@ -343,15 +343,9 @@ class Controller:
             )
 
         # Before anything is learned: the level bench quant's table ranks first.
-        start = self.quant.starting_level(allowed, level)
+        start = self.quant.start(base, allowed, level)
         if start is not None:
-            return Choice(
-                ControllerState.LEARNING,
-                base.with_changes(quant_level=start),
-                Reason.QUANT_SWITCH,
-                f"quantization {level} -> {start}: nothing learned yet, and bench quant's "
-                f"table ranks {start} first of the allowed levels",
-            )
+            return start
 
         # A trial whose steps measure much slower than the level before ends at once.
         verdict = self.quant.verdict(base, now_s)

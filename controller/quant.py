@@ -104,24 +104,30 @@ class QuantTimescale(Part):
         enough, slow = self._trial_evidence()
         return enough and not slow
 
-    def starting_level(self, allowed: tuple[str, ...], current: str) -> str | None:
-        """Before any level is trained: the allowed level bench quant's table ranks first,
-        where the table measured both it and the level in force, it decodes faster, and its
-        prefill is not slower than a trial tolerates (None otherwise). Learning the level
-        in force first would spend the cold start, and a trial, on a level the table
-        already calls slower. The level left has a few steps and no trained model: it is
-        tried at a calm moment like a never-run level, so a table from another machine
-        that ranks the levels wrongly is found out by that trial."""
+    def start(self, base: Knobs, allowed: tuple[str, ...], current: str) -> Choice | None:
+        """Before any level is trained: a move to the allowed level bench quant's table
+        ranks first, where the table measured both it and the level in force, it decodes
+        faster, and its prefill is not slower than a trial tolerates (None otherwise).
+        Learning the level in force first would spend the cold start, and a trial, on a
+        level the table already calls slower. The level left has a few steps and no
+        trained model: it is tried at a calm moment like a never-run level, so a table
+        from another machine that ranks the levels wrongly is found out by that trial."""
         if not self.params.quant_start_by_table or not allowed:
             return None
         if any(self.learner.trained(lv) for lv in self.learner.step_models):
             return None
-        first = sorted(allowed, key=self.table.order)[0]
+        first = min(allowed, key=self.table.order)
         if first == current or not self.table.measured_faster(first, current):
             return None
         if self.table.prefill_slower(first, current, self.params.quant_trial_slowdown_max):
             return None
-        return first
+        return Choice(
+            ControllerState.LEARNING,
+            base.with_changes(quant_level=first),
+            Reason.QUANT_SWITCH,
+            f"quantization {current} -> {first}: nothing learned yet, and bench quant's "
+            f"table ranks {first} first of the allowed levels",
+        )
 
     def best_allowed_level(self, allowed: tuple[str, ...], current: str) -> str:
         full = self.limits.engine.full_precision_level
@@ -472,17 +478,16 @@ class QuantTimescale(Part):
         has not seen batches like those running now is tried again at this load (at most
         once per quant_peak_window_s): its model, not trusted there, learns them."""
         s, p, now_s, level, base = self.state, self.params, ask.now_s, ask.level, ask.base
+        # Untrained, and never tried here or a calm trial of it aborted long enough ago
+        # (a level left at the cold start has a few steps, no trained model).
         unexplored = [
             lv
             for lv in allowed
             if lv != level
+            and not self.learner.trained(lv)
             and (
-                # (A level left at the cold start has a few steps, no trained model.)
-                (lv not in s.explored and not self.learner.trained(lv))
-                or (
-                    not self.learner.trained(lv)
-                    and now_s - s.aborted_s.get(lv, math.inf) >= p.quant_peak_window_s
-                )
+                lv not in s.explored
+                or now_s - s.aborted_s.get(lv, math.inf) >= p.quant_peak_window_s
             )
         ]
         what = "never measured here"
