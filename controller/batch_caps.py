@@ -118,14 +118,15 @@ class BatchCaps(Part):
             self.learner.waiting_now > 0 or guard_holds or self.clock.infeasible
         ):
             seqs = knobs.max_num_seqs  # no smaller batch while a queue is being served
-        tokens = outlook.chunk_cap(
-            level, clock, min(seqs, max(1, math.ceil(batch))), ctx, knobs.max_num_batched_tokens
-        )
-        tokens = outlook.chunk_for_ttft(
-            level, clock, seqs, tokens, knobs.max_num_batched_tokens, workload
-        )
-        tokens = outlook.chunk_for_energy(
-            level, clock, seqs, tokens, knobs.max_num_batched_tokens, workload, budget_w
+        tokens = outlook.chunk_choice(
+            level,
+            clock,
+            seqs,
+            min(seqs, max(1, math.ceil(batch))),
+            ctx,
+            knobs.max_num_batched_tokens,
+            workload,
+            budget_w,
         )
         if seqs < knobs.max_num_seqs and not outlook.feasible(
             outlook.predict(level, clock, seqs, tokens, workload, None), budget_w

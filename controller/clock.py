@@ -237,14 +237,19 @@ class ClockTimescale(Part):
             notes.append(f"clock {clock_now} -> {target} MHz ({why})")
             knobs = knobs.with_changes(sm_clock_mhz=target)
             if target > clock_now and lim.hw_limit_enforces(budget_w):
-                # A faster clock takes a bigger prefill chunk at once (a smaller one waits
-                # for the batch-cap timescale; and not where only the clock holds the
-                # budget: a bigger chunk draws more power).
-                bigger = outlook.chunk_cap(
+                # A faster clock takes at once the bigger prefill chunk the batch caps
+                # would choose at it (a smaller one waits for the batch-cap timescale;
+                # and not where only the clock holds the budget: a bigger chunk draws
+                # more power).
+                bigger = outlook.chunk_choice(
                     level,
                     target,
+                    knobs.max_num_seqs,
                     max(1, min(knobs.max_num_seqs, math.ceil(best.decode_batch))),
                     workload.mean_context_tokens,
+                    knobs.max_num_batched_tokens,
+                    workload,
+                    budget_w,
                 )
                 if bigger > knobs.max_num_batched_tokens:
                     notes.append(

@@ -212,6 +212,25 @@ class Outlook:
             return math.inf
         return (stats.oldest_waiting_s or 0.0) + total / (1.0 - arriving)
 
+    def chunk_choice(
+        self,
+        level: str,
+        clock: int,
+        seqs: int,
+        batch: int,
+        ctx: float,
+        current: int,
+        workload: Workload,
+        budget_w: float,
+    ) -> int:
+        """The prefill chunk at this clock, by the three rules in turn: the step-bounded
+        cap (chunk_cap, beside a decode batch of `batch`), grown where a prompt would miss
+        the TTFT SLO (chunk_for_ttft), then the cheapest of it and its halvings
+        (chunk_for_energy); each with its hysteresis against the `current` chunk."""
+        tokens = self.chunk_cap(level, clock, batch, ctx, current)
+        tokens = self.chunk_for_ttft(level, clock, seqs, tokens, current, workload)
+        return self.chunk_for_energy(level, clock, seqs, tokens, current, workload, budget_w)
+
     def chunk_cap(
         self, level: str, clock: int, batch: int, ctx: float, current: int | None = None
     ) -> int:
