@@ -59,8 +59,9 @@
   let streamLive = false; // between a backlog and the stream's end or error
   let nowS = Date.now() / 1000; // the latest snapshot's time: the charts' right edge
   const charts = {};
-  // For the browser test and the curious: the charts and their data (never the token).
-  window.wattserve = { charts, data };
+  // For the browser test and the curious: the charts, their data (never the token) and the
+  // event kinds the knobs chart marks.
+  window.wattserve = { charts, data, markKinds: Object.keys(MARK_COLORS) };
 
   // ---- formatting ------------------------------------------------------------------------
 

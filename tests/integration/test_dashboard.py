@@ -306,7 +306,9 @@ def test_dashboard_in_headless_chromium(server, browser, tmp_path) -> None:
             assert errors == [], errors
 
             # Hovering a mark on the knobs chart shows the message of the event it marks
-            # (the most isolated mark, so that a neighbour cannot be the nearer one). The
+            # (the most isolated mark, so that a neighbour cannot be the nearer one; every
+            # kind the chart marks counts: a quantization trial's decision and its switch
+            # land on the same instant, and either may answer the hover). The
             # chart scrolls in real time: on a loaded machine the mark can move away between
             # finding it and hovering it, so the hover is tried again from a fresh position.
             from playwright.sync_api import TimeoutError as PlaywrightTimeout
@@ -318,7 +320,7 @@ def test_dashboard_in_headless_chromium(server, browser, tmp_path) -> None:
                     """() => {
                       const u = window.wattserve.charts.knobs;
                       const xs = window.wattserve.data.events
-                        .filter((e) => ["decision", "policy_changed"].includes(e.kind) &&
+                        .filter((e) => window.wattserve.markKinds.includes(e.kind) &&
                                        e.time_unix_s >= u.scales.x.min)
                         .map((e) => ({x: u.valToPos(e.time_unix_s, "x"), message: e.message}));
                       const gap = (m) => Math.min(...xs.filter((o) => o !== m)
