@@ -73,9 +73,10 @@ class BatchCaps(Part):
         """max_num_seqs: the most sequences whose decode step still meets the TPOT SLO by
         the model's mean at the top clock (so a burst queues instead of slowing everyone
         past it), never below a decode batch recent steps ran within the SLO, nor below
-        twice the batch the load needs. max_num_batched_tokens: the chunk cap at the clock
-        in force (Outlook.chunk_cap; a step once started runs at the clock it started at,
-        and no decision comes while it runs). Neither shrinks while a guard holds; the
+        twice the batch the load needs. max_num_batched_tokens: the chunk at the clock in
+        force (Outlook.chunk_choice: the step bound, the TTFT rule, the energy rule; a step
+        once started runs at the clock it started at, and no decision comes while it
+        runs). Neither shrinks while a guard holds; the
         batch cap not while a queue is served nor when no candidate meets the targets (the
         chunk may: holding it too measured no better, see the control log); the chunk does
         not grow where only the clock holds the budget (a bigger chunk draws more power at
