@@ -41,13 +41,15 @@ class ClockState:
 @dataclass
 class ClockMove:
     """What the clock step chose: the knobs, the reason code so far, its notes, the
-    prediction in force after it, and whether it moved the decode interval."""
+    prediction in force after it, whether it moved the decode interval, and whether that
+    move shortened it because the targets were predicted missed (not for energy)."""
 
     knobs: Knobs
     code: Reason
     chosen: Prediction
     interval_moved: bool
     notes: list[str] = field(default_factory=list)
+    interval_shortened_for_targets: bool = False
 
 
 class ClockTimescale(Part):
@@ -259,7 +261,10 @@ class ClockTimescale(Part):
             if code is Reason.STEADY:
                 code = Reason.OPTIMIZE
             chosen = best
-        return ClockMove(knobs, code, chosen, interval_move, notes)
+        shortened = interval_move and target_interval < interval_now and not (feasible and now_ok)
+        return ClockMove(
+            knobs, code, chosen, interval_move, notes, interval_shortened_for_targets=shortened
+        )
 
     def idle(
         self,

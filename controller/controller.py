@@ -405,16 +405,21 @@ class Controller:
         )
         if learning:
             top = ceiling if ceiling is not None else self.device.sm_clock_max_mhz
-            # The first level learns at the top clock, unpaced (nothing is known yet); a
-            # level tried later learns where the controller already runs, at its clock and
-            # decode interval: its model starts from the other level's clock sensitivity,
-            # and the guards stay armed.
+            # The first level learns at the top clock, unpaced (nothing is known yet), the
+            # second half of its steps at learning_low_clock_fraction of it: its model has
+            # then seen two clocks before the first descent (its clock sensitivity starts
+            # at nothing, and a descent on the top clock's steps alone took fp32 to a
+            # clock where it could not keep up). A level tried later learns where the
+            # controller already runs, at its clock and decode interval: its model starts
+            # from the other level's clock sensitivity, and the guards stay armed.
             trained = any(
                 m.samples >= p.learning_min_steps
                 for lv, m in self.learner.step_models.items()
                 if lv != level
             )
             interval_ms = 0.0
+            if not trained and step_model.samples >= p.learning_min_steps // 2:
+                top = self.limits.snap(p.learning_low_clock_fraction * top)
             if trained and power_model.samples >= p.learning_min_power_samples:
                 top = min(top, base.sm_clock_mhz or top)
                 interval_ms = base.decode_interval_ms
@@ -493,7 +498,7 @@ class Controller:
         knobs, code, chosen = move.knobs, move.code, move.chosen
         notes += move.notes
         if move.interval_moved:
-            self.pacing.note_interval_moved(now_s)
+            self.pacing.note_interval_moved(now_s, move.interval_shortened_for_targets)
         elif (lull := self.pacing.lull(now_s)) or self.pacing.crowded():
             if knobs.decode_interval_ms > 0:
                 why = (

@@ -34,6 +34,9 @@ def pace_candidates(
 class PacingState:
     # The last time the interval was weighed here or moved by the clock search.
     last_step_s: float = -math.inf
+    # No longer interval is weighed before this (a back-off after a shortening).
+    hold_until_s: float = -math.inf
+    last_longer_s: float = -math.inf  # the last time a longer interval was chosen here
 
 
 class DecodePacing(Part):
@@ -46,19 +49,27 @@ class DecodePacing(Part):
     def lull(self, now_s: float) -> bool:
         """No request has arrived for pace_lull_gaps mean gaps (at least pace_period_s):
         pacing then only adds idle time to the requests still decoding, whose batch no
-        arrival can grow (the steps are the same ones, with the waits between them)."""
-        return self.learner.workload.lull(
-            now_s, self.params.pace_lull_gaps, self.params.pace_period_s
-        )
+        arrival can grow (the steps are the same ones, with the waits between them). Not
+        within pace_period_s of a longer interval chosen here: a lull that begins just
+        after it (the arrivals' gaps are random) would undo it at once."""
+        p = self.params
+        if now_s - self.state.last_longer_s < p.pace_period_s:
+            return False
+        return self.learner.workload.lull(now_s, p.pace_lull_gaps, p.pace_period_s)
 
     def crowded(self) -> bool:
         """The running batch fills guard_cap_share of the engine's largest cap: an
         interval lengthens every request's life, so the slots fill and arrivals queue."""
         return self.near_engine_cap(self.learner.running_now)
 
-    def note_interval_moved(self, now_s: float) -> None:
-        """The clock search moved the interval: the next longer one waits pace_period_s."""
+    def note_interval_moved(self, now_s: float, shortened_for_targets: bool = False) -> None:
+        """The clock search moved the interval: the next longer one waits pace_period_s,
+        and pace_backoff_s more where it shortened it because the targets were predicted
+        missed (a longer interval back at once, at the SLO's edge, flips to and fro)."""
         self.state.last_step_s = now_s
+        if shortened_for_targets:
+            p = self.params
+            self.state.hold_until_s = now_s + p.pace_period_s + p.pace_backoff_s
 
     def step(
         self,
@@ -71,9 +82,10 @@ class DecodePacing(Part):
         *,
         trial_running: bool,
     ) -> tuple[float, Prediction, str] | None:
-        """A longer decode pacing interval, at most every pace_period_s, at the clock just
-        chosen: the candidate (a fraction of the TPOT SLO) with the least predicted J/token
-        that meets the targets with the descend margin, for the clock gain, with no queue
+        """A longer decode pacing interval, at most every pace_period_s (and not within a
+        back-off, note_interval_moved), at the clock just chosen: the candidate (a fraction
+        of the TPOT SLO) with the least predicted J/token that meets the targets with the
+        descend margin, for the clock gain, with no queue
         and no recent guard; one candidate at a time beyond the decode batches the level's
         model is trusted at. Off for the min-latency objective and engines that do not
         pace, through a quantization trial and while the level's model is young.
@@ -84,6 +96,8 @@ class DecodePacing(Part):
         if engine.decode_interval_max_ms <= 0 or outlook.policy.objective == Objective.MIN_LATENCY:
             return None
         if now_s - self.state.last_step_s < p.pace_period_s or trial_running:
+            return None
+        if now_s < self.state.hold_until_s:
             return None
         if self.learner.step_model(level).samples < p.descend_evidence_steps:
             return None  # a young model: its paced predictions rest on batches not seen
@@ -126,4 +140,5 @@ class DecodePacing(Part):
             # Beyond the decode batches the model has seen: one candidate at a time, so
             # the steps of each teach it before the next.
             best = min(ok)
+        self.state.last_longer_s = now_s
         return best, longer[best], f"{gain:.1f}% less J/token"

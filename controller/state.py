@@ -90,10 +90,12 @@ class ControllerParams:
     speed is a batch-16 figure), and a level in force that the table ranks slower than one
     already run here is left for that one there. Decode pacing: the interval is 0 or one of
     pace_fractions x the TPOT SLO (within the engine's longest); a shorter one is weighed with
-    the clocks every observation, a longer one at most every pace_period_s, once the level's
-    model has descend_evidence_steps steps, and never through a trial; it is off once no request
-    has arrived for pace_lull_gaps mean gaps (at least pace_period_s) and while the running batch
-    fills guard_cap_share of the engine's cap. A prefill chunk's step at the clock in force stays
+    the clocks every observation, a longer one at most every pace_period_s (pace_backoff_s more
+    after the clock search shortened it because the targets were predicted missed), once the
+    level's model has descend_evidence_steps steps, and never through a trial; it is off once no
+    request has arrived for pace_lull_gaps mean gaps (at least pace_period_s, and not within
+    pace_period_s of a longer interval chosen) and while the running batch fills
+    guard_cap_share of the engine's cap. A prefill chunk's step at the clock in force stays
     within chunk_step_slo_factor x the TPOT SLO and chunk_step_ttft_factor x the TTFT SLO; below
     that bound a smaller chunk is taken where it is predicted to save chunk_gain_min_pct, and
     the chunk in force is left only for that gain.
@@ -125,7 +127,8 @@ class ControllerParams:
     limit is not trusted to hold the budget), released once power is under power_release_margin
     x budget. Thermal: the budget is derated linearly from 1 at thermal_derate_start_c of margin
     to thermal_derate_min at thermal_derate_full_c. Stale telemetry: hold for stale_hold_s, then
-    the fallback knobs. Learning: learning_min_steps steps and learning_min_power_samples
+    the fallback knobs. Learning: learning_min_steps steps (the first level's second half at
+    learning_low_clock_fraction x the top clock) and learning_min_power_samples
     readings before the models are used; a clock counts as seen after trust_min_samples steps,
     and trust reaches trust_clock_steps beyond.
     """
@@ -178,6 +181,7 @@ class ControllerParams:
     idle_after_s: float = 0.5
     learning_min_steps: int = 30
     learning_min_power_samples: int = 8
+    learning_low_clock_fraction: float = 0.5
     trust_clock_steps: int = 2
     trust_min_samples: int = 10
     batch_trust_factor: float = 1.5
@@ -192,6 +196,7 @@ class ControllerParams:
     quant_slow_retry_s: float = 600.0
     quant_table_batch_min: int = 8
     pace_period_s: float = 5.0
+    pace_backoff_s: float = 30.0
     pace_lull_gaps: float = 5.0
     pace_fractions: tuple[float, ...] = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
 
@@ -221,6 +226,8 @@ class ControllerParams:
             raise ValueError("ControllerParams: thermal_derate_full_c must be < _start_c")
         if self.clock_candidates < 2 or self.guard_clock_steps < 1:
             raise ValueError("ControllerParams: clock_candidates >= 2, guard_clock_steps >= 1")
+        if not 0 < self.learning_low_clock_fraction <= 1:
+            raise ValueError("ControllerParams.learning_low_clock_fraction must be in (0, 1]")
         if not 0 < self.chunk_grow_margin <= 1:
             raise ValueError("ControllerParams.chunk_grow_margin must be in (0, 1]")
         if self.quant_trial_probe_fraction < 1 or self.quant_trial_slowdown_max < 1:

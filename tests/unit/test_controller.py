@@ -1144,14 +1144,17 @@ def test_decode_pacing_at_a_light_load_saves_energy_within_the_tpot_slo():
 
 
 def test_a_tpot_miss_turns_decode_pacing_off_at_once():
-    # Twelve times longer steps also swell the running batch towards the engine's cap,
+    # Six times longer steps also swell the running batch towards the engine's cap,
     # whose guard would turn pacing off first: here only the TPOT miss may.
     no_cap_guard = ControllerParams(guard_cap_share=2.0)
     ctl = make_controller(decode_interval_max_ms=1000.0, params=no_cap_guard)
     plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
     run(ctl, plant, 90)
     assert ctl.knobs.decode_interval_ms > 0
-    plant.level_speed["fp32"] = 12.0  # steps twelve times as long: TPOT over the SLO
+    # Steps six times as long: TPOT over the SLO. (At twelve times, the step model's
+    # fit called the next steps free for an observation, 0 ms at every clock, and the
+    # clock search turned pacing off for energy one observation before the miss.)
+    plant.level_speed["fp32"] = 6.0
     decisions = run(ctl, plant, 10)
     miss = next(d for d in decisions if d.reason_code is Reason.SLO_MISS)
     assert "TPOT" in miss.reason and miss.knobs.decode_interval_ms == 0.0
@@ -1307,6 +1310,71 @@ def test_no_arrivals_turn_decode_pacing_off():
     # since the last arrival (at most a few seconds before the quiet began).
     assert off.at_s - quiet_from_s >= 2.0
     assert all(d.knobs.decode_interval_ms == 0.0 for d in decisions[decisions.index(off) :])
+
+
+def test_no_arrivals_do_not_undo_a_longer_interval_just_chosen():
+    # Arrivals come at random gaps: a lull that begins just after a longer interval was
+    # chosen would turn it off at once (and the next period back on). Not within
+    # pace_period_s of that choice; after it, as before.
+    ctl = make_controller(decode_interval_max_ms=1000.0)
+    plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
+    run(ctl, plant, 90)
+    plant.request_rate_s = 0.0
+    run(ctl, plant, 12)
+    now_s = plant.t_s
+    assert ctl.pacing.lull(now_s)
+    ctl.pacing.state.last_longer_s = now_s - 1.0
+    assert not ctl.pacing.lull(now_s)
+    ctl.pacing.state.last_longer_s = now_s - ctl.params.pace_period_s
+    assert ctl.pacing.lull(now_s)
+
+
+def test_a_longer_interval_backs_off_after_one_was_shortened_for_the_targets():
+    # The clock search shortens the interval when the targets are predicted missed; at
+    # the SLO's edge a longer one back after pace_period_s flips to and fro, so the next
+    # waits pace_backoff_s more. A shortening for energy keeps the plain period.
+    ctl = make_controller(decode_interval_max_ms=1000.0)
+    plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
+    run(ctl, plant, 90)
+    p = ctl.params
+    knobs = ctl.knobs.with_changes(decode_interval_ms=0.0)
+    load = ctl.learner.workload.current()
+
+    def longer(at_s: float):
+        ol = dataclasses.replace(ctl.outlook(), now_s=at_s, interval_ms=0.0)
+        return ctl.pacing.step("fp32", knobs, load, None, ol, 400.0, trial_running=False)
+
+    t0 = plant.t_s
+    ctl.pacing.note_interval_moved(t0)
+    assert longer(t0 + p.pace_period_s - 0.5) is None
+    paced = longer(t0 + p.pace_period_s)
+    assert paced is not None and paced[0] > 0
+    t1 = t0 + 2 * p.pace_period_s
+    ctl.pacing.note_interval_moved(t1, shortened_for_targets=True)
+    wait_s = p.pace_period_s + p.pace_backoff_s
+    assert longer(t1 + p.pace_period_s) is None
+    assert longer(t1 + wait_s - 0.5) is None
+    assert longer(t1 + wait_s) is not None
+
+
+def test_the_first_level_learns_at_the_top_clock_then_at_half_of_it():
+    # Its clock sensitivity starts at nothing: the second half of its learning steps run
+    # at learning_low_clock_fraction of the top clock, so the first descent rests on
+    # steps at two clocks.
+    ctl = make_controller(budget_w=1000.0)  # no power guard in the way
+    plant = Plant(compute_share=0.5, decode_rate_tok_s=250.0)  # about 6 steps a tick
+    clocks = []
+    for _ in range(80):  # until the first decision that is not learning
+        d = run(ctl, plant, TICK_S)[-1]
+        if d.reason_code is not Reason.LEARNING:
+            break
+        clocks.append(d.knobs.sm_clock_mhz)
+    assert d.reason_code is not Reason.LEARNING
+    low = ctl.limits.snap(ctl.params.learning_low_clock_fraction * 1980)
+    assert clocks[0] == 1980 and clocks[-1] == low and 900 <= low <= 1000
+    assert clocks == sorted(clocks, reverse=True)
+    model = ctl.learner.step_model("fp32")
+    assert model.seen_clocks(ctl.params.trust_min_samples) == [low, 1980]
 
 
 def test_a_running_batch_near_the_engine_cap_turns_decode_pacing_off():
