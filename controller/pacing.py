@@ -85,10 +85,10 @@ class DecodePacing(Part):
         """A longer decode pacing interval, at most every pace_period_s (and not within a
         back-off, note_interval_moved), at the clock just chosen: the candidate (a fraction
         of the TPOT SLO) with the least predicted J/token that meets the targets with the
-        descend margin, for the clock gain, with no queue
-        and no recent guard; one candidate at a time beyond the decode batches the level's
-        model is trusted at. Off for the min-latency objective and engines that do not
-        pace, through a quantization trial and while the level's model is young.
+        descend margin, for the clock gain, with no queue and no recent guard; one
+        candidate at a time beyond the decode batches the level's model is trusted at.
+        Off for the min-latency objective and engines that do not pace, through a
+        quantization trial and while the level's model is young.
         Returns (interval ms, its prediction, why), or None to keep the interval."""
         p, engine = self.params, self.limits.engine
         now_s = outlook.now_s

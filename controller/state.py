@@ -226,6 +226,8 @@ class ControllerParams:
             raise ValueError("ControllerParams: thermal_derate_full_c must be < _start_c")
         if self.clock_candidates < 2 or self.guard_clock_steps < 1:
             raise ValueError("ControllerParams: clock_candidates >= 2, guard_clock_steps >= 1")
+        if self.pace_backoff_s < 0:
+            raise ValueError("ControllerParams.pace_backoff_s must be >= 0")
         if not 0 < self.learning_low_clock_fraction <= 1:
             raise ValueError("ControllerParams.learning_low_clock_fraction must be in (0, 1]")
         if not 0 < self.chunk_grow_margin <= 1:

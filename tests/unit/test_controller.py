@@ -1106,6 +1106,9 @@ def test_after_the_power_guard_acts_the_board_limit_is_not_taken_on_trust():
         {"quant_trial_probe_fraction": 0},
         {"quant_trial_slowdown_max": 0.9},
         {"power_hold_max_s": 1.0},
+        {"pace_backoff_s": -1.0},
+        {"learning_low_clock_fraction": 0.0},
+        {"learning_low_clock_fraction": 1.5},
     ],
 )
 def test_controller_params_refuse_values_that_make_no_sense(bad):
