@@ -32,10 +32,10 @@ def pace_candidates(
 
 @dataclass
 class PacingState:
-    # The last time the interval was weighed here or moved by the clock search.
-    last_step_s: float = -math.inf
-    # No longer interval is weighed before this (a back-off after a shortening).
-    hold_until_s: float = -math.inf
+    # No longer interval is weighed before this: pace_period_s after it was last weighed
+    # here or moved by the clock search, pace_backoff_s more after a shortening for the
+    # targets.
+    next_weigh_s: float = -math.inf
     last_longer_s: float = -math.inf  # the last time a longer interval was chosen here
 
 
@@ -66,10 +66,9 @@ class DecodePacing(Part):
         """The clock search moved the interval: the next longer one waits pace_period_s,
         and pace_backoff_s more where it shortened it because the targets were predicted
         missed (a longer interval back at once, at the SLO's edge, flips to and fro)."""
-        self.state.last_step_s = now_s
-        if shortened_for_targets:
-            p = self.params
-            self.state.hold_until_s = now_s + p.pace_period_s + p.pace_backoff_s
+        p = self.params
+        wait_s = p.pace_period_s + (p.pace_backoff_s if shortened_for_targets else 0.0)
+        self.state.next_weigh_s = max(self.state.next_weigh_s, now_s + wait_s)
 
     def step(
         self,
@@ -95,9 +94,7 @@ class DecodePacing(Part):
         current = knobs.decode_interval_ms
         if engine.decode_interval_max_ms <= 0 or outlook.policy.objective == Objective.MIN_LATENCY:
             return None
-        if now_s - self.state.last_step_s < p.pace_period_s or trial_running:
-            return None
-        if now_s < self.state.hold_until_s:
+        if now_s < self.state.next_weigh_s or trial_running:
             return None
         if self.learner.step_model(level).samples < p.descend_evidence_steps:
             return None  # a young model: its paced predictions rest on batches not seen
@@ -105,7 +102,7 @@ class DecodePacing(Part):
             return None
         # A longer interval reverted lately (it came near the SLOs) stays barred a while.
         barred_ms = outlook.latency_guard.pace_limit_ms(now_s)
-        self.state.last_step_s = now_s
+        self.state.next_weigh_s = now_s + p.pace_period_s
         clock = knobs.sm_clock_mhz or self.limits.top_mhz
 
         def at(interval: float) -> Prediction:
