@@ -489,6 +489,17 @@ class Controller:
         )
         if switched is not None:
             return switched
+        surprise = self.learner.step_model(level).surprise
+        if surprise > self.params.surprise_max:
+            # The engine slowed down suddenly: while the model's fit swings towards the new
+            # costs, its predictions may call steps free, so nothing moves on them.
+            return Choice(
+                ControllerState.LEARNING,
+                base,
+                Reason.LEARNING,
+                f"re-learning {level}: its latest steps took {surprise:.2g}x what its step "
+                "model predicted; caps, clock and decode interval held",
+            )
         knobs, caps_note = self.caps.step(
             level, clock_now, workload, base, outlook, budget_w, probing=self.quant.probing
         )

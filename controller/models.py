@@ -87,6 +87,9 @@ _PREFILL_SCALE = 100.0
 _DECODE_SCALE = 10.0
 _CONTEXT_SCALE = 1000.0
 _STEP_FEATURES = 10
+# How many of a model's latest steps its surprise (measured over predicted) is the median of:
+# one long step (a stall) does not count, two in three do.
+SURPRISE_STEPS = 3
 
 
 def _step_features(
@@ -163,6 +166,9 @@ class StepTimeModel:
         # Steps seen by decode batch, in power-of-two buckets (1, 2-3, 4-7, ...): a model
         # fitted on small batches says little about large ones.
         self.samples_by_batch: dict[int, int] = {}
+        # Each latest step's duration over what the model predicted for it just before
+        # learning it (the costs as the controller reads them, clipped at 0).
+        self.surprises: deque[float] = deque(maxlen=SURPRISE_STEPS)
 
     def as_prior(self, stretch_p0: float = 0.01) -> StepTimeModel:
         """A fresh model for another level that starts from this one's estimate but has
@@ -179,6 +185,12 @@ class StepTimeModel:
         return other
 
     def learn(self, step: StepRecord, clock_mhz: int) -> None:
+        if self.rls.updates > 0:
+            # The context folded into the decode cost, as the controller's predictions do.
+            per_decode = step.context_tokens / step.decode_tokens if step.decode_tokens else 0.0
+            co = self.coefficients(clock_mhz, per_decode)
+            predicted = co.step_s(step.prefill_tokens, step.decode_tokens, step.context_tokens)
+            self.surprises.append(step.duration_s / predicted)
         ratio = self.f_max / max(clock_mhz, 1)
         x = _step_features(ratio, step.prefill_tokens, step.decode_tokens, step.context_tokens)
         self.rls.update(x, step.duration_s)
@@ -192,6 +204,17 @@ class StepTimeModel:
     @property
     def samples(self) -> int:
         return self.rls.updates
+
+    @property
+    def surprise(self) -> float:
+        """The median of the latest steps' measured over predicted durations (1 before
+        there are any): far from 1, the model no longer describes the engine (a sudden
+        slowdown, another workload), and its fit swings while it re-learns."""
+        if not self.surprises:
+            return 1.0
+        ordered = sorted(self.surprises)
+        mid = len(ordered) // 2
+        return ordered[mid] if len(ordered) % 2 else math.sqrt(ordered[mid - 1] * ordered[mid])
 
     def batch_seen(self, min_samples: int) -> int:
         """The largest decode batch the model has been fitted around: the top of the

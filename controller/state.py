@@ -130,7 +130,12 @@ class ControllerParams:
     the fallback knobs. Learning: learning_min_steps steps (the first level's second half at
     learning_low_clock_fraction x the top clock) and learning_min_power_samples
     readings before the models are used; a clock counts as seen after trust_min_samples steps,
-    and trust reaches trust_clock_steps beyond.
+    and trust reaches trust_clock_steps beyond. Re-learning: while the level's latest steps
+    took more than surprise_max x what its step model predicted for them (the median of
+    three), the model no longer describes the engine (a sudden slowdown) and its fit swings
+    as it learns the new one; the caps, clock and decode interval are held (the guards and
+    the quantization timescale still act). Steps faster than predicted hold nothing: a
+    model that over-predicts errs towards the SLOs.
     """
 
     batch_period_s: float = 2.0
@@ -182,6 +187,7 @@ class ControllerParams:
     learning_min_steps: int = 30
     learning_min_power_samples: int = 8
     learning_low_clock_fraction: float = 0.5
+    surprise_max: float = 3.0
     trust_clock_steps: int = 2
     trust_min_samples: int = 10
     batch_trust_factor: float = 1.5
@@ -230,6 +236,8 @@ class ControllerParams:
             raise ValueError("ControllerParams.pace_backoff_s must be >= 0")
         if not 0 < self.learning_low_clock_fraction <= 1:
             raise ValueError("ControllerParams.learning_low_clock_fraction must be in (0, 1]")
+        if not self.surprise_max > 1:
+            raise ValueError("ControllerParams.surprise_max must be > 1")
         if not 0 < self.chunk_grow_margin <= 1:
             raise ValueError("ControllerParams.chunk_grow_margin must be in (0, 1]")
         if self.quant_trial_probe_fraction < 1 or self.quant_trial_slowdown_max < 1:

@@ -1109,6 +1109,7 @@ def test_after_the_power_guard_acts_the_board_limit_is_not_taken_on_trust():
         {"pace_backoff_s": -1.0},
         {"learning_low_clock_fraction": 0.0},
         {"learning_low_clock_fraction": 1.5},
+        {"surprise_max": 1.0},
     ],
 )
 def test_controller_params_refuse_values_that_make_no_sense(bad):
@@ -1147,21 +1148,42 @@ def test_decode_pacing_at_a_light_load_saves_energy_within_the_tpot_slo():
 
 
 def test_a_tpot_miss_turns_decode_pacing_off_at_once():
-    # Six times longer steps also swell the running batch towards the engine's cap,
+    # Twelve times longer steps also swell the running batch towards the engine's cap,
     # whose guard would turn pacing off first: here only the TPOT miss may.
     no_cap_guard = ControllerParams(guard_cap_share=2.0)
     ctl = make_controller(decode_interval_max_ms=1000.0, params=no_cap_guard)
     plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
     run(ctl, plant, 90)
     assert ctl.knobs.decode_interval_ms > 0
-    # Steps six times as long: TPOT over the SLO. (At twelve times, the step model's
-    # fit called the next steps free for an observation, 0 ms at every clock, and the
-    # clock search turned pacing off for energy one observation before the miss.)
-    plant.level_speed["fp32"] = 6.0
+    # Steps twelve times as long: TPOT over the SLO.
+    plant.level_speed["fp32"] = 12.0
     decisions = run(ctl, plant, 10)
     miss = next(d for d in decisions if d.reason_code is Reason.SLO_MISS)
     assert "TPOT" in miss.reason and miss.knobs.decode_interval_ms == 0.0
     assert "decode pacing off" in miss.reason
+
+
+def test_after_a_sudden_slowdown_nothing_moves_on_the_swinging_step_model():
+    # Twelve times longer steps: while the step model's fit swings towards the new costs
+    # it can call the next steps free (0 ms at every clock, on this plant one observation
+    # after the slowdown) and the clock search would act on that. The caps, clock and
+    # decode interval are held until a guard answers the measured miss.
+    no_cap_guard = ControllerParams(guard_cap_share=2.0)
+    ctl = make_controller(decode_interval_max_ms=1000.0, params=no_cap_guard)
+    plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
+    run(ctl, plant, 90)
+    held = ctl.knobs
+    plant.level_speed["fp32"] = 12.0
+    decisions = run(ctl, plant, 10)
+    first_guard = next(i for i, d in enumerate(decisions) if d.reason_code is Reason.SLO_MISS)
+    before = decisions[:first_guard]
+    assert any(d.reason.startswith("re-learning fp32") for d in before)
+    for d in before:
+        assert d.knobs == held, d.reason
+        assert d.prediction is None or d.prediction.step_s > 0.001, d.reason
+    # The steps of the slow plant are what the model now learns from: it settles.
+    run(ctl, plant, 60)
+    assert ctl.learner.step_model("fp32").surprise <= ctl.params.surprise_max
 
 
 def test_a_tpot_miss_at_the_top_clock_still_turns_decode_pacing_off():

@@ -301,6 +301,22 @@ def test_step_model_knows_the_batches_it_was_fitted_on():
     assert model.batch_seen(10) == 63
 
 
+def test_step_model_surprise_is_the_median_of_its_latest_steps():
+    model = StepTimeModel(1980)
+    assert model.surprise == 1.0  # nothing seen, nothing to be surprised by
+
+    def step(duration_s: float) -> StepRecord:
+        return StepRecord(0.0, duration_s, 10, 8, 800, "fp32", 1980)
+
+    for _ in range(200):
+        model.learn(step(0.05), 1980)
+    assert model.surprise == pytest.approx(1.0, abs=0.05)
+    model.learn(step(0.5), 1980)  # one stall: not the engine changing
+    assert model.surprise == pytest.approx(1.0, abs=0.05)
+    model.learn(step(0.5), 1980)  # two of the latest three ten times as long
+    assert model.surprise > 5.0
+
+
 def test_a_prior_keeps_the_clock_sensitivity_a_short_trial_cannot_teach():
     # The known level: 40 % of every step scales with f_max / f, learned over many clocks.
     def truth(decode: int, prefill: int, f: int, speed: float) -> float:
