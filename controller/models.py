@@ -184,13 +184,19 @@ class StepTimeModel:
             other.rls.p[k][k] = stretch_p0
         return other
 
+    def predict_step_s(self, step: StepRecord, clock_mhz: int) -> float:
+        """What the model predicts `step` takes at this clock, with the step's own context
+        per decode token folded in, as every prediction has it: the fit trades the decode
+        cost against the context cost (the two counts move together), and clipping each on
+        its own predicted fp32 a 30 ms step where its steps took 95 ms."""
+        per_decode = step.context_tokens / step.decode_tokens if step.decode_tokens else None
+        return self.coefficients(clock_mhz, per_decode).step_s(
+            step.prefill_tokens, step.decode_tokens, step.context_tokens
+        )
+
     def learn(self, step: StepRecord, clock_mhz: int) -> None:
         if self.rls.updates > 0:
-            # The context folded into the decode cost, as the controller's predictions do.
-            per_decode = step.context_tokens / step.decode_tokens if step.decode_tokens else 0.0
-            co = self.coefficients(clock_mhz, per_decode)
-            predicted = co.step_s(step.prefill_tokens, step.decode_tokens, step.context_tokens)
-            self.surprises.append(step.duration_s / predicted)
+            self.surprises.append(step.duration_s / self.predict_step_s(step, clock_mhz))
         ratio = self.f_max / max(clock_mhz, 1)
         x = _step_features(ratio, step.prefill_tokens, step.decode_tokens, step.context_tokens)
         self.rls.update(x, step.duration_s)
@@ -207,14 +213,11 @@ class StepTimeModel:
 
     @property
     def surprise(self) -> float:
-        """The median of the latest steps' measured over predicted durations (1 before
-        there are any): far from 1, the model no longer describes the engine (a sudden
-        slowdown, another workload), and its fit swings while it re-learns."""
-        if not self.surprises:
-            return 1.0
-        ordered = sorted(self.surprises)
-        mid = len(ordered) // 2
-        return ordered[mid] if len(ordered) % 2 else math.sqrt(ordered[mid - 1] * ordered[mid])
+        """The median (nearest rank) of the latest steps' measured over predicted
+        durations (1 before there are any): far from 1, the model no longer describes the
+        engine (a sudden slowdown, another workload), and its fit swings while it
+        re-learns."""
+        return percentile_of(self.surprises, 50.0) if self.surprises else 1.0
 
     def batch_seen(self, min_samples: int) -> int:
         """The largest decode batch the model has been fitted around: the top of the

@@ -148,14 +148,9 @@ class QuantTimescale(Part):
             return
         if model.samples < self.params.learning_min_steps:
             return
-        # With the step's own context per decode token folded in, as every prediction
-        # has it: the fit trades the decode cost against the context cost (the two counts
-        # move together), and clipping each on its own predicted fp32 a 30 ms step where
-        # its steps took 95 ms, so a faster bf16 (65 ms) was judged 2.2x slower.
-        per_decode = step.context_tokens / step.decode_tokens if step.decode_tokens else None
-        expected = model.coefficients(clock_mhz, per_decode).step_s(
-            step.prefill_tokens, step.decode_tokens, step.context_tokens
-        )
+        # (Folding the context into the decode cost matters here: clipping each cost on its
+        # own once judged a faster bf16, 65 ms steps against fp32's 95, 2.2x slower.)
+        expected = model.predict_step_s(step, clock_mhz)
         t.steps += 1
         t.batch_max = max(t.batch_max, step.decode_tokens)
         t.measured_s += step.duration_s
