@@ -1,8 +1,9 @@
 """The clock timescale, the fastest: each observation, the least predicted J/token clock
 (with the decode interval in force or a shorter one) whose percentile TTFT and TPOT meet
 slo_margin x SLO and whose power fits the budget. Fast up, slow down: a lower clock needs
-a tighter margin, a gain of clock_gain_min_pct, descend_hold_s since the last move up, no
-queue, and (while the level's model is young) a first token seen at the clock in force.
+a tighter margin at a load a standard error above the estimate, a gain of
+clock_gain_min_pct, descend_hold_s since the last move up, no queue, and (while the
+level's model is young) a first token seen at the clock in force.
 It must not import torch or the daemon, read a clock, or touch a device or an engine.
 
 States: feasible (the clock in force predicted to meet the targets) / infeasible since a
@@ -145,14 +146,27 @@ class ClockTimescale(Part):
         now_pred = at(clock_now, interval_now)
         self.learner.note_prediction(now_pred, now_s, interval_now)
         # Hysteresis band: a lower clock must meet the SLOs with a tighter margin than the
-        # one that keeps the current clock, so noise near the edge cannot flip between them.
-        feasible = [
-            (i, pr)
-            for i, pr in cands
-            if outlook.feasible(
-                pr, budget_w, p.descend_margin if pr.sm_clock_mhz < clock_now else 1.0
-            )
-        ]
+        # one that keeps the current clock, so noise near the edge cannot flip between them,
+        # and at a load descend_load_z standard errors above the estimate: a lull of random
+        # arrivals must not take the clock down for the next rush to bring it back up.
+        upper = workload.upper(p.descend_load_z)
+
+        def ok(i: float, pr: Prediction) -> bool:
+            if pr.sm_clock_mhz >= clock_now:
+                return outlook.feasible(pr, budget_w)
+            if upper is not workload:
+                pr = outlook.predict(
+                    level,
+                    pr.sm_clock_mhz,
+                    knobs.max_num_seqs,
+                    knobs.max_num_batched_tokens,
+                    upper,
+                    temp,
+                    i,
+                )
+            return outlook.feasible(pr, budget_w, p.descend_margin)
+
+        feasible = [(i, pr) for i, pr in cands if ok(i, pr)]
         if feasible:
             target_interval, best = min(
                 feasible, key=lambda c: (outlook.score(c[1]), -c[1].sm_clock_mhz, -c[0])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from controller.signals import StepRecord
 
@@ -427,6 +427,21 @@ class Workload:
     mean_context_tokens: float  # context each decode token reads
     prefill_time_share: float | None = None  # share of busy time in steps with prefill
     prompt_sizes: tuple[float, ...] = ()  # the last PROMPT_SIZES_KEPT prompts (tokens)
+    # The relative standard error of the request rate: arrivals at random, counted over
+    # the estimator's time constant, leave the rates this uncertain (0: not estimated).
+    rate_rel_error: float = 0.0
+
+    def upper(self, z: float) -> Workload:
+        """The load z standard errors above the estimate (rates scaled together)."""
+        factor = 1.0 + z * self.rate_rel_error
+        if factor <= 1.0:
+            return self
+        return replace(
+            self,
+            request_rate_per_s=self.request_rate_per_s * factor,
+            prompt_tokens_per_s=self.prompt_tokens_per_s * factor,
+            output_tokens_per_s=self.output_tokens_per_s * factor,
+        )
 
     @property
     def is_idle(self) -> bool:
@@ -533,7 +548,16 @@ class WorkloadEstimator:
             mean_context_tokens=self._context.value or 256.0,
             prefill_time_share=self._prefill_share.value,
             prompt_sizes=tuple(self._prompt_sizes),
+            rate_rel_error=self.rate_rel_error(),
         )
+
+    def rate_rel_error(self) -> float:
+        """Poisson arrivals at rate r averaged with time constant tau: the estimate's
+        variance is r / (2 tau), so its relative standard error 1 / sqrt(2 tau r)."""
+        r = self._rate.value or 0.0
+        if r <= 0:
+            return 0.0
+        return 1.0 / math.sqrt(2.0 * self._rate.tau_s * r)
 
 
 # ---- from model means to percentiles -----------------------------------------------------

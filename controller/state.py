@@ -99,9 +99,11 @@ class ControllerParams:
     within chunk_step_slo_factor x the TPOT SLO and chunk_step_ttft_factor x the TTFT SLO; below
     that bound a smaller chunk is taken where it is predicted to save chunk_gain_min_pct, and
     the chunk in force is left only for that gain.
-    Margins: predictions must meet slo_margin x SLO (x descend_margin for a lower clock) and
-    power_margin x budget; the board power limit is set to power_limit_margin x budget; a
-    reading within power_noise_tolerance over the budget is noise. Guards: a latency guard
+    Margins: predictions must meet slo_margin x SLO (x descend_margin for a lower clock, whose
+    prediction is made at the load descend_load_z standard errors of the estimated request
+    rate above it: arrivals at random make the estimate swing) and power_margin x budget;
+    the board power limit is set to power_limit_margin x budget; a reading within
+    power_noise_tolerance over the budget is noise. Guards: a latency guard
     raises the clock by guard_clock_steps candidates, or to the
     lowest clock predicted to prefill the waiting queue within slo_margin x the TTFT SLO (at
     most every guard_cooldown_s), and holds that floor for guard_hold_s (a floor a queue put up,
@@ -148,6 +150,7 @@ class ControllerParams:
     clock_min_interval_s: float = 1.0
     clock_candidates: int = 12
     descend_margin: float = 0.9
+    descend_load_z: float = 1.0
     descend_hold_s: float = 5.0
     descend_evidence_steps: int = 300
     chunk_step_slo_factor: float = 2.5
@@ -232,8 +235,8 @@ class ControllerParams:
             raise ValueError("ControllerParams: thermal_derate_full_c must be < _start_c")
         if self.clock_candidates < 2 or self.guard_clock_steps < 1:
             raise ValueError("ControllerParams: clock_candidates >= 2, guard_clock_steps >= 1")
-        if self.pace_backoff_s < 0:
-            raise ValueError("ControllerParams.pace_backoff_s must be >= 0")
+        if self.pace_backoff_s < 0 or self.descend_load_z < 0:
+            raise ValueError("ControllerParams: pace_backoff_s >= 0, descend_load_z >= 0")
         if not 0 < self.learning_low_clock_fraction <= 1:
             raise ValueError("ControllerParams.learning_low_clock_fraction must be in (0, 1]")
         if not self.surprise_max > 1:

@@ -7,6 +7,7 @@ busy, noisy latencies and readings. Each test drives Controller.observe() tick b
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import random
@@ -269,6 +270,45 @@ def test_compute_bound_load_keeps_a_higher_clock_than_memory_bound():
     # Nearly all compute: lowering the clock stretches steps past the TPOT SLO.
     run(high, Plant(compute_share=0.9, decode_rate_tok_s=300.0), 90)
     assert high.knobs.sm_clock_mhz > low.knobs.sm_clock_mhz
+
+
+def test_a_lower_clock_must_meet_the_targets_at_the_load_a_standard_error_above():
+    # Arrivals at random leave the estimated rate uncertain (here 1 request/s over 8 s:
+    # about 25 %). A descent is weighed at the load descend_load_z standard errors above
+    # the estimate, so a lull of arrivals does not take the clock down for the next rush
+    # to bring it back. The clock in force keeps being judged at the estimate itself.
+    ctl = make_controller()
+    plant = Plant(compute_share=0.5, decode_rate_tok_s=200.0, noise=0.05)
+    run(ctl, plant, 90)
+    load = ctl.learner.workload.current()
+    assert load.rate_rel_error == pytest.approx(0.25, abs=0.05)
+
+    def descent(rel_error: float) -> tuple[int, Controller]:
+        c = copy.deepcopy(ctl)
+        c.clock.state.last_up_s = c.clock.state.last_change_s = -math.inf
+        knobs = c.knobs.with_changes(sm_clock_mhz=1980)
+        w = dataclasses.replace(load, rate_rel_error=rel_error)
+        move = c.clock.step(knobs, Reason.STEADY, "fp32", w, None, c.outlook(), 400.0, None)
+        return move.knobs.sm_clock_mhz, c
+
+    exact, _ = descent(0.0)
+    assert exact < 1980  # the estimate alone calls a lower clock cheaper and safe
+    widened, c = descent(0.1)
+    assert exact < widened < 1980
+    outlook = c.outlook()
+    upper = dataclasses.replace(load, rate_rel_error=0.1).upper(c.params.descend_load_z)
+    margin = c.params.descend_margin
+
+    def meets_at_upper(f: int) -> bool:
+        pr = outlook.predict("fp32", f, 64, 512, upper, None, 0.0)
+        return outlook.feasible(pr, 400.0, margin)
+
+    assert meets_at_upper(widened)
+    # None of the clocks weighed between the two would have met them there.
+    weighed = outlook.clock_range("fp32", None)
+    assert not any(meets_at_upper(f) for f in weighed if exact <= f < widened)
+    # With no descent weighed at all at a load this uncertain, the clock stays.
+    assert descent(0.3)[0] == 1980
 
 
 def test_power_over_budget_steps_down_at_once_and_holds_the_ceiling():
@@ -905,7 +945,7 @@ def test_after_a_trial_proves_the_table_wrong_no_escape_trials_under_load():
     ctl = trial_controller(TABLE_BF16_THEN_INT8)
     plant = Plant(
         compute_share=0.3,
-        decode_rate_tok_s=300.0,
+        decode_rate_tok_s=360.0,
         prompt_rate_tok_s=600.0,
         request_rate_s=5.0,
         level_speed={"fp32": 1.0, "bf16": 4.0, "int8": 4.0},
@@ -1107,6 +1147,7 @@ def test_after_the_power_guard_acts_the_board_limit_is_not_taken_on_trust():
         {"quant_trial_slowdown_max": 0.9},
         {"power_hold_max_s": 1.0},
         {"pace_backoff_s": -1.0},
+        {"descend_load_z": -0.5},
         {"learning_low_clock_fraction": 0.0},
         {"learning_low_clock_fraction": 1.5},
         {"surprise_max": 1.0},

@@ -190,6 +190,29 @@ def test_the_mean_prompt_is_the_requests_mean_not_the_first_one_s():
     assert est.current().mean_prompt_tokens == pytest.approx(100.0, abs=3.0)
 
 
+def test_the_rate_s_standard_error_is_that_of_random_arrivals_over_the_time_constant():
+    # Four requests a second, one every 0.25 s, for a minute: the 8 s estimate of a
+    # random (Poisson) stream at that rate has a relative standard error 1 / sqrt(2 x 8 x 4).
+    est = WorkloadEstimator(tau_s=8.0)
+    est.update(0.0, 0, 0, 0, ())
+    for i in range(1, 241):
+        est.update(0.25 * i, i, 100 * i, 50 * i, ())
+    w = est.current()
+    assert w.request_rate_per_s == pytest.approx(4.0, rel=1e-3)
+    assert w.rate_rel_error == pytest.approx(1.0 / math.sqrt(64.0), rel=1e-3)
+    up = w.upper(2.0)  # two standard errors above: every rate 1.25 x, the means as they were
+    factor = 1.0 + 2.0 * w.rate_rel_error
+    assert factor == pytest.approx(1.25, rel=1e-3)
+    assert up.request_rate_per_s == pytest.approx(factor * w.request_rate_per_s)
+    assert up.prompt_tokens_per_s == pytest.approx(factor * w.prompt_tokens_per_s)
+    assert up.output_tokens_per_s == pytest.approx(factor * w.output_tokens_per_s)
+    assert up.mean_prompt_tokens == w.mean_prompt_tokens
+    assert up.mean_context_tokens == w.mean_context_tokens
+    assert w.upper(0.0) is w
+    # No arrivals yet: no rate, no error to widen it by.
+    assert WorkloadEstimator().current().rate_rel_error == 0.0
+
+
 def test_policy_and_knobs_validate():
     p = Policy(300.0, 2000.0, 200.0, mode="auto", objective="min_latency")
     assert p.mode is ControlMode.AUTO and p.objective is Objective.MIN_LATENCY
