@@ -307,7 +307,7 @@ def test_a_lower_clock_must_meet_the_targets_at_the_load_a_standard_error_above(
     # None of the clocks weighed between the two would have met them there.
     weighed = outlook.clock_range("fp32", None)
     assert not any(meets_at_upper(f) for f in weighed if exact <= f < widened)
-    # With no descent weighed at all at a load this uncertain, the clock stays.
+    # At a load this uncertain no lower clock meets them one error above: the clock stays.
     assert descent(0.3)[0] == 1980
 
 
