@@ -475,7 +475,7 @@ PROMPT_SIZES_KEPT = 64
 class WorkloadEstimator:
     """Rates from the engine's cumulative counters, smoothed over tau_s."""
 
-    def __init__(self, tau_s: float = 8.0) -> None:
+    def __init__(self, tau_s: float) -> None:
         self._rate = Ewma(tau_s, 0.0)
         self._prompt = Ewma(tau_s, 0.0)
         self._output = Ewma(tau_s, 0.0)

@@ -102,6 +102,7 @@ class ControllerParams:
     Margins: predictions must meet slo_margin x SLO (x descend_margin for a lower clock, whose
     prediction is made at the load descend_load_z standard errors of the estimated request
     rate above it: arrivals at random make the estimate swing) and power_margin x budget;
+    the load's rates, prompt and output sizes are averaged over workload_tau_s;
     the board power limit is set to power_limit_margin x budget; a reading within
     power_noise_tolerance over the budget is noise. Guards: a latency guard
     raises the clock by guard_clock_steps candidates, or to the
@@ -151,6 +152,7 @@ class ControllerParams:
     clock_candidates: int = 12
     descend_margin: float = 0.9
     descend_load_z: float = 1.0
+    workload_tau_s: float = 16.0
     descend_hold_s: float = 5.0
     descend_evidence_steps: int = 300
     chunk_step_slo_factor: float = 2.5
@@ -223,6 +225,7 @@ class ControllerParams:
             "chunk_step_ttft_factor",
             "batch_trust_factor",
             "quant_peak_window_s",
+            "workload_tau_s",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ControllerParams.{name} must be > 0")

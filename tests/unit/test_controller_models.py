@@ -169,7 +169,7 @@ def test_decode_work_lengthens_a_prompt_s_steps_but_queues_no_one():
 
 
 def test_the_mean_prompt_is_the_requests_mean_not_the_first_one_s():
-    est = WorkloadEstimator()
+    est = WorkloadEstimator(tau_s=8.0)
     state = {"t": 0.0, "requests": 0, "prompt": 0}
     est.update(0.0, 0, 0, 0, ())
 
@@ -210,7 +210,7 @@ def test_the_rate_s_standard_error_is_that_of_random_arrivals_over_the_time_cons
     assert up.mean_context_tokens == w.mean_context_tokens
     assert w.upper(0.0) is w
     # No arrivals yet: no rate, no error to widen it by.
-    assert WorkloadEstimator().current().rate_rel_error == 0.0
+    assert WorkloadEstimator(tau_s=8.0).current().rate_rel_error == 0.0
 
 
 def test_policy_and_knobs_validate():
