@@ -152,7 +152,7 @@ class ControllerParams:
     clock_candidates: int = 12
     descend_margin: float = 0.9
     descend_load_z: float = 1.0
-    workload_tau_s: float = 16.0
+    workload_tau_s: float = 8.0
     descend_hold_s: float = 5.0
     descend_evidence_steps: int = 300
     chunk_step_slo_factor: float = 2.5

@@ -273,17 +273,15 @@ def test_compute_bound_load_keeps_a_higher_clock_than_memory_bound():
 
 
 def test_a_lower_clock_must_meet_the_targets_at_the_load_a_standard_error_above():
-    # Arrivals at random leave the estimated rate uncertain (here 1 request/s over the
-    # workload time constant, 16 s: about 18 %). A descent is weighed at the load
-    # descend_load_z standard errors above the estimate, so a lull of arrivals does not
-    # take the clock down for the next rush to bring it back. The clock in force keeps
-    # being judged at the estimate itself.
+    # Arrivals at random leave the estimated rate uncertain (here 1 request/s over 8 s:
+    # about 25 %). A descent is weighed at the load descend_load_z standard errors above
+    # the estimate, so a lull of arrivals does not take the clock down for the next rush
+    # to bring it back. The clock in force keeps being judged at the estimate itself.
     ctl = make_controller()
     plant = Plant(compute_share=0.5, decode_rate_tok_s=200.0, noise=0.05)
     run(ctl, plant, 90)
     load = ctl.learner.workload.current()
-    tau_s = ctl.params.workload_tau_s
-    assert load.rate_rel_error == pytest.approx(1.0 / math.sqrt(2.0 * tau_s), abs=0.05)
+    assert load.rate_rel_error == pytest.approx(0.25, abs=0.05)
 
     def descent(rel_error: float) -> tuple[int, Controller]:
         c = copy.deepcopy(ctl)
@@ -340,7 +338,7 @@ def test_power_over_budget_steps_down_at_once_and_holds_the_ceiling():
 def test_power_settles_below_a_lowered_budget_on_the_plant():
     ctl = make_controller(budget_w=400.0)
     plant = Plant(compute_share=0.5, decode_rate_tok_s=200.0, prompt_rate_tok_s=300.0)
-    run(ctl, plant, 30)  # the load estimate's time constant is 16 s
+    run(ctl, plant, 20)
     assert plant.powers[-1][1] > 200.0
     cut_at = plant.t_s
     ctl.set_policy(ctl.policy.with_changes(power_budget_w=170.0))
@@ -1209,23 +1207,22 @@ def test_a_tpot_miss_turns_decode_pacing_off_at_once():
 
 def test_after_a_sudden_slowdown_nothing_moves_on_the_swinging_step_model():
     # Twelve times longer steps: while the step model's fit swings towards the new costs
-    # it can call the next steps free (0 ms at every clock) and the clock search would act
-    # on that. While it re-learns, the caps, clock and decode interval are held as the
-    # decision before left them (the guards still answer the measured misses), and no
-    # decision rests on a prediction of free steps.
+    # it can call the next steps free (0 ms at every clock, on this plant one observation
+    # after the slowdown) and the clock search would act on that. The caps, clock and
+    # decode interval are held until a guard answers the measured miss.
     no_cap_guard = ControllerParams(guard_cap_share=2.0)
     ctl = make_controller(decode_interval_max_ms=1000.0, params=no_cap_guard)
     plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
     run(ctl, plant, 90)
-    knobs = ctl.knobs
+    held = ctl.knobs
     plant.level_speed["fp32"] = 12.0
     decisions = run(ctl, plant, 10)
-    assert any(d.reason.startswith("re-learning fp32") for d in decisions)
-    for d in decisions:
-        if d.reason.startswith("re-learning fp32"):
-            assert d.knobs == knobs, d.reason  # held as the decision before left them
+    first_guard = next(i for i, d in enumerate(decisions) if d.reason_code is Reason.SLO_MISS)
+    before = decisions[:first_guard]
+    assert any(d.reason.startswith("re-learning fp32") for d in before)
+    for d in before:
+        assert d.knobs == held, d.reason
         assert d.prediction is None or d.prediction.step_s > 0.001, d.reason
-        knobs = d.knobs
     # The steps of the slow plant are what the model now learns from: it settles.
     run(ctl, plant, 60)
     assert ctl.learner.step_model("fp32").surprise <= ctl.params.surprise_max
@@ -1274,9 +1271,7 @@ def _cap_guard_after(running_before: int, running_now: int):
     ctl = make_controller(decode_interval_max_ms=1000.0)
     plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
     run(ctl, plant, 30)
-    paced = ctl.knobs.with_changes(
-        max_num_seqs=64, sm_clock_mhz=LADDER[10], decode_interval_ms=80.0
-    )
+    paced = ctl.knobs.with_changes(sm_clock_mhz=LADDER[10], decode_interval_ms=80.0)
     ticks = ctl.params.guard_rise_ticks
     for i in range(ticks + 1):
         ctl.latency_guard.note_queue(0, running_before if i < ticks else running_now, 0.0)
