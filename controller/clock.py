@@ -126,13 +126,13 @@ class ClockTimescale(Part):
         clocks = outlook.clock_range(level, ceiling)
         interval_now = knobs.decode_interval_ms
 
-        def at(f: int, interval: float) -> Prediction:
+        def at(f: int, interval: float, load: Workload = workload) -> Prediction:
             return outlook.predict(
                 level,
                 f,
                 knobs.max_num_seqs,
                 knobs.max_num_batched_tokens,
-                workload,
+                load,
                 temp,
                 interval,
             )
@@ -155,15 +155,7 @@ class ClockTimescale(Part):
             if pr.sm_clock_mhz >= clock_now:
                 return outlook.feasible(pr, budget_w)
             if upper is not workload:
-                pr = outlook.predict(
-                    level,
-                    pr.sm_clock_mhz,
-                    knobs.max_num_seqs,
-                    knobs.max_num_batched_tokens,
-                    upper,
-                    temp,
-                    i,
-                )
+                pr = at(pr.sm_clock_mhz, i, upper)
             return outlook.feasible(pr, budget_w, p.descend_margin)
 
         feasible = [(i, pr) for i, pr in cands if ok(i, pr)]
