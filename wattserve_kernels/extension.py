@@ -34,7 +34,8 @@ _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
 _ENV_SWITCH = "WATTSERVE_CPU_KERNELS"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's `flags` line from /proc/cpuinfo (elsewhere the processor's name)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -52,7 +53,7 @@ def build_name() -> str:
         h.update(src.read_bytes())
     h.update(" ".join(_CFLAGS).encode())
     h.update(torch.__version__.encode())
-    h.update(_cpu_flags().encode())
+    h.update(cpu_flags().encode())
     return f"wattserve_cpu_kernels_{h.hexdigest()[:12]}"
 
 
