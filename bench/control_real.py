@@ -175,9 +175,12 @@ def calibrate(model: str, levels: tuple[str, ...], dtype: str, threads: int | No
     )
 
 
-def _real_engine(loaded: Any, level: str, levels: tuple[str, ...] = ()) -> Any:
+def _real_engine(
+    loaded: Any, level: str, levels: tuple[str, ...] = (), prefix_caching: bool = True
+) -> Any:
     """A fresh real engine over the loaded weights, as every real-engine run here uses it:
-    a 512 MiB KV pool, caps 64/512, starting at `level`, allowed `level` and `levels`."""
+    a 512 MiB KV pool, caps 64/512, starting at `level`, allowed `level` and `levels`
+    (prefix_caching False: every prompt token computed, for measuring speeds)."""
     from daemon.engine.engine import Engine, EngineOptions
 
     return Engine(
@@ -188,6 +191,7 @@ def _real_engine(loaded: Any, level: str, levels: tuple[str, ...] = ()) -> Any:
             max_num_batched_tokens=512,
             quantization_levels=tuple(dict.fromkeys((level, *levels))),
             quantization_level=level,
+            enable_prefix_caching=prefix_caching,
         ),
     )
 
@@ -197,14 +201,17 @@ def measure_level_speeds_real(loaded: Any, levels: tuple[str, ...]) -> dict[str,
     to the daemon on the machine it runs on: decode tok/s at batch 16
     (bench.quant.measure_speed: one interleaved round, 16 prompts of 64 tokens, 32 new
     tokens each) and prefill tok/s (one 256-token prompt per level, best of two
-    interleaved rounds). The calibration's speeds may come from another machine: on a CPU
+    interleaved rounds), with the prefix cache off: a prompt served from it would read as a
+    prefill many times faster than the level computes one (on a 2-core CPU without AVX-512
+    the cached rounds read fp32 3,702, bf16 1,026 and int8 3,812 tok/s where those levels
+    compute 550, 67 and 67). The calibration's speeds may come from another machine: on a CPU
     without bf16 instructions bf16 decodes slower than fp32 and bf16 and int8 prefill
     several times slower, where a table from a machine with them ranks both ahead."""
     from bench.engine import corpus_token_ids
     from bench.quant import DecodeTimer, measure_speed
     from daemon.engine.request import SamplingParams
 
-    engine = _real_engine(loaded, levels[0], levels)
+    engine = _real_engine(loaded, levels[0], levels, prefix_caching=False)
     timer = DecodeTimer()
     engine.add_step_hook(timer)
     ids = corpus_token_ids(engine.tokenizer, 2048)

@@ -41,3 +41,23 @@ def test_the_controller_ranks_levels_by_the_table_it_is_given(tmp_path):
     default = _options(make_system("controller", engine, device, clock, policy, cal, levels, True))
     assert default["bf16"][0] > default["fp32"][0] > 0
     assert default["bf16"][1] > default["fp32"][1] > 0
+
+
+def test_prefill_speed_is_measured_on_computed_tokens(tiny_llama, monkeypatch):
+    # Each level's prefill is timed twice on one prompt: a prefix cache would serve the
+    # second from its blocks and the speed would read as the cache's, not the level's.
+    import bench.control_real as control_real
+
+    engines = []
+    make = control_real._real_engine
+
+    def spy(*args, **kwargs):
+        engines.append(make(*args, **kwargs))
+        return engines[-1]
+
+    monkeypatch.setattr(control_real, "_real_engine", spy)
+    measure_level_speeds_real(tiny_llama, ("fp32", "bf16"))
+    assert len(engines) == 1
+    counters = engines[0].counters
+    assert counters.prompt_tokens > 2 * 2 * 256  # both rounds of both levels ran
+    assert counters.prefix_cache_hit_tokens == 0
