@@ -94,17 +94,22 @@ class Outlook:
         1 where the model's percentiles have held, more where it under-predicts."""
         return self.learner.error_factor(kind, pr.quant_level, pr.sm_clock_mhz, self.now_s)
 
+    def board_limit_holds(self, budget_w: float) -> bool:
+        """The board power limit, set at the budget, is trusted to hold it (at 100 ms): it
+        is within the device's range and power has not been measured over the budget under
+        it within power_hold_max_s (then the limit did not hold, or not in time, and a
+        clock predicted over the budget would only be knocked down again). Every budget check
+        of a clock asks this one question: the search's and a guard's step up must agree
+        on it, or one takes the clock up where the other takes it down."""
+        return self.limits.hw_limit_enforces(budget_w) and not self.power_guard.limit_failed_within(
+            self.now_s, self.params.power_hold_max_s
+        )
+
     def within_budget(self, pr: Prediction, budget_w: float) -> bool:
-        """Where the board power limit enforces the budget, always; elsewhere the predicted
+        """Where the board power limit holds the budget, always; elsewhere the predicted
         1 s mean and the hungriest phase (a prefill step, 100 ms windows, scaled by the
         measured peak ratio) must fit power_margin x budget."""
-        if self.limits.hw_limit_enforces(budget_w) and not self.power_guard.fired_within(
-            self.now_s, self.params.power_hold_max_s
-        ):
-            # The board limit (set at the budget) holds it, at 100 ms; unless the power
-            # guard has had to act within power_hold_max_s: then the limit did not hold
-            # (or not in time), and a clock predicted over the budget would only be
-            # knocked down again.
+        if self.board_limit_holds(budget_w):
             return True
         limit = budget_w * self.params.power_margin
         if pr.power_w > limit:
@@ -163,11 +168,11 @@ class Outlook:
     def safe_clock(self, budget_w: float, temp_c: float | None) -> int:
         """The highest candidate clock whose predicted power in the hungriest phase seen
         lately (x the measured peak ratio) fits the budget; the top clock where the board
-        power limit enforces the budget."""
+        power limit holds the budget."""
         p, lim = self.params, self.limits
         model = self.learner.power
-        if lim.hw_limit_enforces(budget_w):
-            return lim.top_mhz  # the board limit holds the budget
+        if self.board_limit_holds(budget_w):
+            return lim.top_mhz
         if model.samples < p.learning_min_power_samples:
             return lim.device.sm_clock_min_mhz
         recent = list(self.learner.recent_steps)[-50:]

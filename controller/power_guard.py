@@ -30,6 +30,10 @@ class PowerGuardState:
     ceiling_until_s: float = -math.inf  # held unchanged until then
     hold_s: float = 0.0  # how long the next ceiling is held
     last_fired_s: float = -math.inf
+    limit_w: float | None = None  # the board limit the knobs carry, and since when
+    limit_since_s: float = -math.inf
+    # The last firing on readings taken wholly under that limit: it did not hold.
+    limit_failed_s: float = -math.inf
 
 
 class PowerGuard(Part):
@@ -43,8 +47,10 @@ class PowerGuard(Part):
     def derate(self) -> float:
         return self.state.derate
 
-    def fired_within(self, now_s: float, seconds: float) -> bool:
-        return now_s - self.state.last_fired_s < seconds
+    def limit_failed_within(self, now_s: float, seconds: float) -> bool:
+        """Power was measured over the budget under the board limit set for it (the
+        limit did not hold, or not in time) within the last `seconds`."""
+        return now_s - self.state.limit_failed_s < seconds
 
     def effective_budget_w(self, telemetry: Telemetry | None, budget_w: float) -> float:
         """The policy's budget derated linearly from thermal_derate_start_c of thermal
@@ -73,7 +79,11 @@ class PowerGuard(Part):
     ) -> Choice | None:
         """Over the budget: the highest clock the power model puts under power_margin x
         budget in the phase running now (or, without a trusted model, the clock cut in
-        proportion), at least one candidate down, held as the ceiling. None: within it."""
+        proportion), at least one candidate down, held as the ceiling. None: within it.
+        knobs carry the board limit this budget sets."""
+        s = self.state
+        if knobs.power_limit_w != s.limit_w:
+            s.limit_w, s.limit_since_s = knobs.power_limit_w, now_s
         # One noisy short-window reading just over is not a violation; a sustained one, or
         # one clearly over, is.
         avg = telemetry.power_avg_w if telemetry.power_avg_w is not None else power_w
@@ -102,7 +112,12 @@ class PowerGuard(Part):
             target = min(lim.snap(scaled), one_down)
         target = max(target, lim.device.sm_clock_min_mhz)
         self._hold_ceiling(target, now_s)
-        s = self.state
+        # Only readings that cover the board limit's time in force tell that it failed to
+        # hold the budget: right after a cut the device's windows still average power from
+        # under the higher limit before (the guard cuts at once all the same).
+        window_s = max(telemetry.power_avg_window_s or 0.0, 0.1)
+        if knobs.power_limit_w is None or now_s - s.limit_since_s >= window_s:
+            s.limit_failed_s = now_s
         return Choice(
             ControllerState.GUARD_POWER,
             knobs.with_changes(sm_clock_mhz=target),

@@ -124,21 +124,21 @@ class ControllerParams:
     descent_watch_s after the optimizer lowers the clock or lengthens the decode interval, the
     descent_watch_percentile of the TTFT and TPOT measured since is watched; at
     descent_guard_fraction x its SLO the descent is reverted at once and the clock below (and a
-    longer interval) barred for descent_bar_s. A power guard lowers the clock at once and holds
-    that ceiling for power_hold_s (anti-windup; doubled up to
-    power_hold_max_s when it fires again soon, and for power_hold_max_s after it fires the board
-    limit is not trusted to hold the budget), released once power is under power_release_margin
-    x budget. Thermal: the budget is derated linearly from 1 at thermal_derate_start_c of margin
-    to thermal_derate_min at thermal_derate_full_c. Stale telemetry: hold for stale_hold_s, then
-    the fallback knobs. Learning: learning_min_steps steps (the first level's second half at
-    learning_low_clock_fraction x the top clock) and learning_min_power_samples
-    readings before the models are used; a clock counts as seen after trust_min_samples steps,
-    and trust reaches trust_clock_steps beyond. Re-learning: while the level's latest steps
-    took more than surprise_max x what its step model predicted for them (the median of
-    three), the model no longer describes the engine (a sudden slowdown) and its fit swings
-    as it learns the new one; the caps, clock and decode interval are held (the guards and
-    the quantization timescale still act). Steps faster than predicted hold nothing: a
-    model that over-predicts errs towards the SLOs.
+    longer interval) barred for descent_bar_s. A power guard lowers the clock at once and holds that
+    ceiling for power_hold_s (anti-windup; doubled up to power_hold_max_s when it fires again soon,
+    and for power_hold_max_s after it fires on power read wholly under the board limit set for the
+    budget, that limit is not trusted to hold it; a reading still averaging power from before a cut
+    is not held against it), released once power is under power_release_margin x budget. Thermal:
+    the budget is derated linearly from 1 at thermal_derate_start_c of margin to thermal_derate_min
+    at thermal_derate_full_c. Stale telemetry: hold for stale_hold_s, then the fallback knobs.
+    Learning: learning_min_steps steps (the first level's second half at learning_low_clock_fraction
+    x the top clock) and learning_min_power_samples readings before the models are used; a clock
+    counts as seen after trust_min_samples steps, and trust reaches trust_clock_steps beyond.
+    Re-learning: while the level's latest steps took more than surprise_max x what its step model
+    predicted for them (the median of three), the model no longer describes the engine (a sudden
+    slowdown) and its fit swings as it learns the new one; the caps, clock and decode interval are
+    held (the guards and the quantization timescale still act). Steps faster than predicted hold
+    nothing: a model that over-predicts errs towards the SLOs.
     """
 
     batch_period_s: float = 2.0

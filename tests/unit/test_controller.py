@@ -1138,6 +1138,37 @@ def test_after_the_power_guard_acts_the_board_limit_is_not_taken_on_trust():
     assert ctl.outlook().within_budget(top, 300.0)
 
 
+def test_a_reading_from_before_a_budget_cut_is_not_held_against_the_board_limit():
+    # A cut within the board limit's range: the guard cuts the clock at once on the power
+    # read before it, but that power was drawn under the higher limit before the cut, so
+    # the limit set with the cut keeps its trust. Only a reading taken wholly under it and
+    # still over the budget says that it did not hold.
+    ctl = make_controller(budget_w=400.0)
+    plant = Plant(compute_share=0.5, decode_rate_tok_s=30.0, prompt_rate_tok_s=30.0)
+    run(ctl, plant, 30)
+    heavy = dataclasses.replace(
+        ctl.learner.workload.current(), output_tokens_per_s=300.0, prompt_tokens_per_s=300.0
+    )
+    top = ctl.outlook().predict("fp32", 1980, 64, 512, heavy, None)
+    assert top.peak_power_w > 300.0 and ctl.limits.hw_limit_enforces(300.0)
+    ctl.set_policy(ctl.policy.with_changes(power_budget_w=300.0))
+    telemetry, stats = plant.tick(ctl.knobs)
+    before_cut = dataclasses.replace(telemetry, power_w=360.0, power_avg_w=360.0)
+    d = ctl.observe(before_cut, stats, plant.t_s)
+    assert d.reason_code is Reason.OVER_BUDGET
+    assert ctl.outlook().board_limit_holds(300.0)
+    assert ctl.outlook().within_budget(top, 300.0)
+    assert ctl.outlook().safe_clock(300.0, None) == LADDER[-1]
+    # A window later, still over under the new limit: now it did not hold.
+    telemetry, stats = plant.tick(d.knobs)
+    under_limit = dataclasses.replace(telemetry, power_w=340.0, power_avg_w=340.0)
+    assert ctl.observe(under_limit, stats, plant.t_s).reason_code is Reason.OVER_BUDGET
+    assert not ctl.outlook().board_limit_holds(300.0)
+    assert not ctl.outlook().within_budget(top, 300.0)
+    # The guards' step up asks the same question: no longer the top clock on trust.
+    assert ctl.outlook().safe_clock(300.0, None) < LADDER[-1]
+
+
 @pytest.mark.parametrize(
     "bad",
     [
