@@ -169,11 +169,18 @@ class ClockTimescale(Part):
             unpaced = [c for c in cands if c[0] == 0.0]
             in_budget = [c for c in unpaced if outlook.within_budget(c[1], budget_w)]
             if not in_budget:
-                # The budget wins over model trust: look below the trusted clocks too.
+                # The budget wins over model trust: look below the trusted clocks too; not
+                # below a latency guard's floor, which it set within what the budget allows
+                # (Outlook.safe_clock): a prediction over the budget there is the power
+                # guard's to settle on measured power (it drops the floor), or the guard's
+                # step up and this search take turns undoing each other.
+                floor = outlook.latency_guard.floor(now_s)
                 lower = [
                     (interval_now, at(f, interval_now))
                     for f in lim.clocks_mhz
-                    if f < clocks[0] and (ceiling is None or f <= ceiling)
+                    if f < clocks[0]
+                    and (ceiling is None or f <= ceiling)
+                    and (floor is None or f >= floor)
                 ]
                 in_budget = [c for c in lower if outlook.within_budget(c[1], budget_w)]
                 in_budget = in_budget or (lower[:1] if lower else unpaced[:1])

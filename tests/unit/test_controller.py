@@ -1169,6 +1169,35 @@ def test_a_reading_from_before_a_budget_cut_is_not_held_against_the_board_limit(
     assert ctl.outlook().safe_clock(300.0, None) < LADDER[-1]
 
 
+def test_nothing_predicted_within_the_budget_does_not_undo_a_latency_guard_s_floor():
+    # Below the board limit's range only the clock holds the budget. When every clock is
+    # predicted over it, the clock search goes to the lowest clock, but not below a floor
+    # a latency guard holds: that floor is the power guard's to drop on measured power, or
+    # the guard's step up and the search undo each other every period.
+    ctl = make_controller(budget_w=400.0)
+    plant = Plant(compute_share=0.5, decode_rate_tok_s=200.0, noise=0.05)
+    run(ctl, plant, 60)
+    budget_w = 100.0
+    assert not ctl.limits.hw_limit_enforces(budget_w)
+    load = dataclasses.replace(
+        ctl.learner.workload.current(), output_tokens_per_s=600.0, prompt_tokens_per_s=600.0
+    )
+
+    def clock_after(floor_mhz: int | None) -> int:
+        c = copy.deepcopy(ctl)
+        if floor_mhz is not None:
+            c.latency_guard._hold_floor(floor_mhz, c.outlook().now_s, queue=True)
+        knobs = c.knobs.with_changes(sm_clock_mhz=floor_mhz or 1980)
+        outlook = c.outlook()
+        preds = [outlook.predict("fp32", f, 64, 512, load, None) for f in LADDER]
+        assert not any(outlook.within_budget(pr, budget_w) for pr in preds)
+        move = c.clock.step(knobs, Reason.STEADY, "fp32", load, None, outlook, budget_w, None)
+        return move.knobs.sm_clock_mhz
+
+    assert clock_after(None) == LADDER[0]
+    assert clock_after(1530) == 1530
+
+
 @pytest.mark.parametrize(
     "bad",
     [
