@@ -2,10 +2,11 @@
 predicted to get its first tokens late at this clock (feed-forward), a running batch rising
 fast towards the engine's largest batch cap (a burst: once the cap is full every arrival
 queues for a slot, and only a shorter TPOT frees slots sooner), or a measured TTFT or
-TPOT miss raises the clock at once (and the batch caps where the batch is full), never
-above what the budget allows, turns decode pacing off where there is no TPOT headroom to
-trade, and holds that clock as a floor. It overrides the models; it must not import torch
-or the daemon, read a clock, or touch a device or an engine.
+TPOT miss raises the clock at once (and the batch caps where the batch is full; a queue
+takes the prefill chunk that serves it soonest, at the top clock too), never above what
+the budget allows, turns decode pacing off where there is no TPOT headroom to trade, and
+holds that clock as a floor. It overrides the models; it must not import torch or the
+daemon, read a clock, or touch a device or an engine.
 
 Descents earn their way: after the optimizer lowers the clock or lengthens the decode
 interval, the latencies measured over the next descent_watch_s are watched; once their
@@ -246,18 +247,28 @@ class LatencyGuard(Part):
         if (growing or long_wait) and stats.num_running >= knobs.max_num_seqs and not tpot_miss:
             seqs = min(lim.engine.max_num_seqs_max, max(seqs + 1, math.ceil(seqs * 1.5)))
         tokens = knobs.max_num_batched_tokens
-        if (
-            target > clock
-            and self.learner.step_model(level).samples >= p.learning_min_steps
-            and lim.hw_limit_enforces(budget_w)
-        ):
-            # A faster clock takes a bigger chunk within the same step time (never smaller
-            # here: the next batch-cap update may shrink it once the guard has let go).
-            # Not where only the clock holds the budget: a bigger chunk draws more.
-            bigger = outlook.chunk_cap(
-                level, target, max(1, stats.num_running), workload.mean_context_tokens
-            )
-            tokens = max(tokens, bigger)
+        trained = self.learner.step_model(level).samples >= p.learning_min_steps
+        if trained and lim.hw_limit_enforces(budget_w):
+            # Never a smaller chunk here (the next batch-cap update may shrink it once the
+            # guard has let go), and none bigger where only the clock holds the budget: a
+            # bigger chunk draws more. A faster clock takes a bigger chunk within the same
+            # step time; a queue (not a TPOT miss) takes the chunk that serves it soonest,
+            # at the top clock too, where the clock has nothing left to give.
+            if target > clock:
+                bigger = outlook.chunk_cap(
+                    level, target, max(1, stats.num_running), workload.mean_context_tokens
+                )
+                tokens = max(tokens, bigger)
+            if (growing or long_wait or cap_bound or queue_late) and not tpot_miss:
+                drain = outlook.chunk_to_drain(
+                    level,
+                    target,
+                    stats,
+                    knobs.with_changes(max_num_batched_tokens=tokens),
+                    workload,
+                    late_s,
+                )
+                tokens = max(tokens, drain)
         # Decode pacing trades TPOT headroom for energy: a TPOT miss or a long wait leaves
         # none to trade, at the top clock too. (A queue alone leaves it: the engine does not
         # pace while requests wait.)

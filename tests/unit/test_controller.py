@@ -664,6 +664,26 @@ def test_a_late_queue_steps_up_before_anyone_waits_half_the_slo():
     assert d.knobs.sm_clock_mhz > clock
 
 
+def test_a_queue_at_the_top_clock_takes_the_chunk_that_serves_it_soonest():
+    # The top clock has nothing left to give; a chunk the lull left small does: the token
+    # cap counts the running batch's decode tokens, so 64 of them beside 40 running leaves
+    # a prompt 24 tokens a step. The guard takes a bigger chunk at the same clock (the
+    # budget the board limit holds, so a bigger chunk cannot take the power over it).
+    ctl = make_controller(budget_w=700.0)
+    plant = Plant(compute_share=0.1)
+    run(ctl, plant, 60)
+    ctl._knobs = ctl.knobs.with_changes(sm_clock_mhz=LADDER[-1], max_num_batched_tokens=64)
+    telemetry, stats = plant.tick(ctl.knobs)
+    late = EngineStats(
+        **{**stats.__dict__, "num_running": 40, "num_waiting": 30, "oldest_waiting_s": 1.2}
+    )
+    d = ctl.observe(telemetry, late, plant.t_s)
+    assert d.state is ControllerState.GUARD_LATENCY and d.reason_code is Reason.QUEUE_GROWTH
+    assert d.knobs.sm_clock_mhz == LADDER[-1]
+    assert d.knobs.max_num_batched_tokens > 64
+    assert "max_num_batched_tokens 64 ->" in d.reason
+
+
 def test_a_queues_floor_lets_go_once_the_queue_has_drained():
     # A late queue puts up a floor to drain it, not to run the load: once no request
     # has waited for the waiting history, guard_release_s after the step up, the floor
