@@ -294,6 +294,7 @@ class ControlLoop:
         )
         kv_per_token = engine.kv_spec.bytes_per_block // engine.kv_spec.block_size_tokens
         kwargs.setdefault("period_s", cfg.period_s)
+        kwargs.setdefault("oldest_waiting_s", engine.oldest_waiting_s)
         return cls(controller, engine, device, kv_bytes_per_token=kv_per_token, **kwargs)
 
     # ---- inputs (any thread) ------------------------------------------------------------------

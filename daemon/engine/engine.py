@@ -485,6 +485,13 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    def oldest_waiting_s(self) -> float | None:
+        """How long the oldest request in the waiting queue has waited since it arrived
+        (None: none waits). Any thread: a snapshot of the scheduler's queue."""
+        now = time.monotonic()
+        requests = [self._requests.get(s.seq_id) for s in list(self.scheduler.waiting)]
+        return max((now - r.arrival_s for r in requests if r is not None), default=None)
+
     def has_work(self) -> bool:
         return bool(self._requests) or self._in_flight is not None or not self._inbox.empty()
 

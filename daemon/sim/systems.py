@@ -103,11 +103,10 @@ class Controlled(System):
             ),
             Knobs(limits.max_num_seqs, limits.max_num_batched_tokens, engine.quant_level),
         )
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {"oldest_waiting_s": engine.oldest_waiting_s}
         if inline:
             extra["run_blocking"] = lambda fn: fn()
             extra["step_clock_mhz"] = lambda: device.read().sm_clock_mhz
-            extra["oldest_waiting_s"] = engine.oldest_waiting_s
         self.loop = ControlLoop(
             ctl,
             engine,

@@ -84,3 +84,42 @@ def test_power_settles_below_a_budget_set_through_the_policy_path(tiny_llama, tm
     assert first.knobs.sm_clock_mhz < (before.knobs.sm_clock_mhz or 1980)
     assert decisions[-1].knobs.sm_clock_mhz < 1980
     assert engine.counters.generation_tokens > 0
+
+
+def test_the_loop_the_daemon_builds_sees_how_long_the_oldest_request_waits(tiny_llama, tmp_path):
+    # The latency guard's long-wait rule reads EngineStats.oldest_waiting_s; the loop
+    # ControlLoop.build makes over the daemon's engine must report it (it used to be None
+    # on the real engine whatever waited, so the rule never fired outside the model bench).
+    engine = Engine(
+        tiny_llama,
+        EngineOptions(kv_cache_bytes=1 << 22, max_num_seqs=1, quantization_levels=("fp32",)),
+    )
+    device = open_device(DeviceConfig(backend="virtual", mode="control", state_dir=tmp_path))
+    loop = ControlLoop.build(ControllerConfig(mode="auto", period_s=0.1), engine, device)
+    seen = []
+    observe = loop.controller.observe
+
+    def spy(telemetry, stats, now_s):
+        seen.append(stats)
+        return observe(telemetry, stats, now_s)
+
+    loop.controller.observe = spy
+    loop.tick()
+    assert seen[-1].oldest_waiting_s is None  # nothing waits
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for _ in range(2):  # one slot: the second queues behind the first
+        engine.add_request([5, 6, 7, 8, 9, 10], params, lambda out: None)
+    assert engine.step() is not None
+    time.sleep(0.05)
+    loop.tick()
+    assert (engine.num_running, engine.num_waiting) == (1, 1)
+    assert seen[-1].num_waiting == 1
+    assert seen[-1].oldest_waiting_s is not None and seen[-1].oldest_waiting_s >= 0.05
+    for _ in range(20):  # the first finishes, the second is admitted
+        if not engine.num_waiting:
+            break
+        engine.step()
+    assert engine.num_waiting == 0
+    loop.tick()
+    assert seen[-1].oldest_waiting_s is None
+    device.close(restore=False)
