@@ -260,14 +260,7 @@ class LatencyGuard(Part):
                 )
                 tokens = max(tokens, bigger)
             if (growing or long_wait or cap_bound or queue_late) and not tpot_miss:
-                drain = outlook.chunk_to_drain(
-                    level,
-                    target,
-                    stats,
-                    knobs.with_changes(max_num_batched_tokens=tokens),
-                    workload,
-                    late_s,
-                )
+                drain = outlook.chunk_to_drain(level, target, stats, tokens, workload, late_s)
                 tokens = max(tokens, drain)
         # Decode pacing trades TPOT headroom for energy: a TPOT miss or a long wait leaves
         # none to trade, at the top clock too. (A queue alone leaves it: the engine does not

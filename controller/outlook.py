@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from controller.learner import Learner
 from controller.limits import Limits
-from controller.models import Prediction, Workload, predict
+from controller.models import Prediction, StepCoefficients, Workload, predict
 from controller.policy import Knobs, Objective, Policy
 from controller.signals import EngineStats
 from controller.state import ControllerParams
@@ -188,29 +188,73 @@ class Outlook:
         return lim.device.sm_clock_min_mhz
 
     def drain_s(
+        self, level: str, clock: int, stats: EngineStats, knobs: Knobs, workload: Workload
+    ) -> float | None:
+        """When the newest waiting request would see its first token at this clock: the
+        oldest's wait so far plus the prefill of every waiting prompt (the mean prompt
+        each), in chunks of what the token cap leaves beside the running batch, stretched
+        by the prompts still arriving meanwhile (1 / (1 - share of the time their prefill
+        takes); inf when that share reaches 1). None without a queue or a trained model."""
+        co = self._queue_coefficients(level, clock, stats, workload)
+        if co is None:
+            return None
+        return self._drain_s(co, stats, workload, knobs.max_num_batched_tokens)
+
+    def chunk_to_drain(
         self,
         level: str,
         clock: int,
         stats: EngineStats,
-        knobs: Knobs,
+        current: int,
         workload: Workload,
-        tokens: int | None = None,
-    ) -> float | None:
-        """When the newest waiting request would see its first token at this clock: the
-        oldest's wait so far plus the prefill of every waiting prompt (the mean prompt
-        each), in chunks of what the token cap (`tokens`, else the one in force) leaves
-        beside the running batch, stretched by the prompts still arriving meanwhile
-        (1 / (1 - share of the time their prefill takes); inf when that share reaches 1).
-        None without a queue or a trained model."""
+        late_s: float,
+    ) -> int:
+        """The token cap for serving a queue at this clock: the smallest of the `current`
+        one and its doublings predicted to drain the queue within late_s (drain_s), else
+        the one predicted to drain it soonest; none whose step (beside the running batch)
+        outlasts chunk_step_slo_factor x the TPOT SLO. The step bounds of chunk_cap weigh
+        one arriving prompt's wait behind a chunk against every decode's stall; with a
+        queue, prompts wait for each other, and a cap that leaves little room beside the
+        running batch (the cap counts its decode tokens) serves them slowest."""
+        co = self._queue_coefficients(level, clock, stats, workload)
+        if co is None:
+            return current
+        best, best_s = current, self._drain_s(co, stats, workload, current)
+        if best_s <= late_s:
+            return current
+        top = self.limits.engine.max_num_batched_tokens_max
+        step_max_s = self.params.chunk_step_slo_factor * self.policy.tpot_slo_ms / 1000.0
+        running, ctx = stats.num_running, workload.mean_context_tokens
+        t = current
+        while t < top:
+            t = min(top, t * 2)
+            if co.step_s(max(t - running, 0), running, running * ctx) > step_max_s:
+                break
+            d = self._drain_s(co, stats, workload, t)
+            if d < best_s:
+                best, best_s = t, d
+            if d <= late_s:
+                break
+        return best
+
+    def _queue_coefficients(
+        self, level: str, clock: int, stats: EngineStats, workload: Workload
+    ) -> StepCoefficients | None:
+        """The level's step costs at this clock, where a queue waits and the level's model
+        has learned enough to be used; None otherwise."""
         model = self.learner.step_models.get(level)
         if stats.num_waiting <= 0 or model is None:
             return None
         if model.samples < self.params.learning_min_steps:
             return None
+        return model.coefficients(clock, workload.mean_context_tokens)
+
+    def _drain_s(
+        self, co: StepCoefficients, stats: EngineStats, workload: Workload, cap: int
+    ) -> float:
+        """drain_s on these step costs with this token cap."""
         ctx = workload.mean_context_tokens
-        co = model.coefficients(clock, ctx)
         running = stats.num_running
-        cap = knobs.max_num_batched_tokens if tokens is None else tokens
         room = max(cap - running, self.limits.engine.max_num_batched_tokens_min)
         queued = stats.num_waiting * workload.mean_prompt_tokens
         chunk_s = co.step_s(room, running, running * ctx)
@@ -222,48 +266,6 @@ class Outlook:
         if arriving >= 1.0:
             return math.inf
         return (stats.oldest_waiting_s or 0.0) + total / (1.0 - arriving)
-
-    def chunk_to_drain(
-        self,
-        level: str,
-        clock: int,
-        stats: EngineStats,
-        knobs: Knobs,
-        workload: Workload,
-        late_s: float,
-    ) -> int:
-        """The token cap for serving a queue at this clock: the smallest of the one in
-        force and its doublings predicted to drain the queue within late_s (drain_s), else
-        the one predicted to drain it soonest; none whose step (beside the running batch)
-        outlasts chunk_step_slo_factor x the TPOT SLO. The step bounds of chunk_cap weigh
-        one arriving prompt's wait behind a chunk against every decode's stall; with a
-        queue, prompts wait for each other, and a cap that leaves little room beside the
-        running batch (the cap counts its decode tokens) serves them slowest."""
-        p, e = self.params, self.limits.engine
-        current = knobs.max_num_batched_tokens
-        model = self.learner.step_models.get(level)
-        if model is None:
-            return current
-        ctx = workload.mean_context_tokens
-        co = model.coefficients(clock, ctx)
-        running = stats.num_running
-        step_max_s = p.chunk_step_slo_factor * self.policy.tpot_slo_ms / 1000.0
-        best, best_s = current, self.drain_s(level, clock, stats, knobs, workload)
-        if best_s is None or best_s <= late_s:
-            return current
-        t = current
-        while t < e.max_num_batched_tokens_max:
-            t = min(e.max_num_batched_tokens_max, t * 2)
-            if co.step_s(max(t - running, 0), running, running * ctx) > step_max_s:
-                break
-            d = self.drain_s(level, clock, stats, knobs, workload, tokens=t)
-            if d is None:
-                break
-            if d < best_s:
-                best, best_s = t, d
-            if d <= late_s:
-                break
-        return best
 
     def chunk_choice(
         self,
