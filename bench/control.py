@@ -25,6 +25,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -303,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     table: dict[str, dict[str, dict]] = {}
     oracles: dict[str, OracleResult] = {}
+    views: dict[str, Callable[[Any], dict]] = {}
     args.out.mkdir(parents=True, exist_ok=True)
     for name in names:
         sc = scenarios[name]
@@ -335,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             table.setdefault(name, {})[sys_name] = summary
             results.append(res)
+            if sys_name == "controller" and res.view is not None:
+                views[name] = res.view
             print(
                 f"{name:>12} {sys_name:>22}: attainment {summary['attainment_pct']}%{ci}, p99 TTFT "
                 f"{summary['p99_ttft_ms']} ms, p99 TPOT {summary['p99_tpot_ms']} ms, "
@@ -368,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         path = args.out / f"control-{args.engine}-summary.png"
         plot_summary(table, path, f"{args.engine} engine, virtual H200: J/token and SLO attainment")
         print(f"wrote {path}", flush=True)
-    oracle = oracle_facts(table, oracles)
+    oracle = oracle_facts(table, oracles, views)
     line = _headline(
         table,
         args,
@@ -392,10 +396,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def oracle_facts(table: dict, oracles: dict[str, OracleResult]) -> dict[str, dict]:
+def oracle_facts(
+    table: dict,
+    oracles: dict[str, OracleResult],
+    views: dict[str, Callable[[Any], dict]] | None = None,
+) -> dict[str, dict]:
     """Per scenario: the hindsight oracle's setting and figures, its saving against max
     clock, and the controller's saving as a fraction of it (`saving_vs_oracle_ratio`;
-    None where max clock or the controller did not run, or the oracle saves nothing)."""
+    None where max clock or the controller did not run, or the oracle saves nothing);
+    with `views` (the controller's models frozen when the arrivals ended), what they
+    predict for the oracle's setting (`controller_view_of_oracle`: set against the
+    oracle's measured J/token and percentiles, why the controller did not take it)."""
 
     def saving(row: dict | None, base: dict | None) -> float | None:
         if not row or not base or not row.get("j_per_token") or not base.get("j_per_token"):
@@ -416,6 +427,8 @@ def oracle_facts(table: dict, oracles: dict[str, OracleResult]) -> dict[str, dic
             "controller_saving_vs_max_clock_pct": ctl_saving,
             "saving_vs_oracle_ratio": ratio,
         }
+        if views and name in views:
+            out[name]["controller_view_of_oracle"] = views[name](found.setting)
     return out
 
 

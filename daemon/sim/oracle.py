@@ -204,6 +204,8 @@ class OracleResult:
             "j_per_token": self.summary.get("j_per_token"),
             "attainment_pct": self.summary.get("attainment_pct"),
             "over_budget_pct": self.summary.get("over_budget_pct"),
+            "p99_ttft_ms": self.summary.get("p99_ttft_ms"),
+            "p99_tpot_ms": self.summary.get("p99_tpot_ms"),
             "admissible": self.admissible,
             "settings_evaluated": self.evaluated,
             "rule": f"least J/token with attainment >= {self.target_pct:g} % and <= "

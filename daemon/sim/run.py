@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from controller.policy import ControlMode, Policy
 from daemon.sim.calibration import Calibration
@@ -47,6 +48,8 @@ class RunResult:
     duration_s: float
     knob_changes: int
     reasons: dict[str, int] = field(default_factory=dict)
+    # The system's own models frozen when the arrivals ended (System.freeze_view).
+    view: Callable[[Any], dict] | None = None
 
 
 def energy_sample(device):
@@ -151,8 +154,13 @@ def _run(
     reported = first_seen = 0
     end_s = scenario.duration_s + drain_s
     knobs: dict = {}
+    view = None
+    frozen = False
     while True:
         now = clock()
+        if not frozen and now >= scenario.duration_s:
+            # The load's last moment: the drain after it would read the load as gone.
+            view, frozen = system.freeze_view(), True
         if now >= end_s or (now >= scenario.duration_s and not engine.has_work()):
             break
         b = scenario.budget_w(now)
@@ -209,6 +217,7 @@ def _run(
         duration_s=last[0],
         knob_changes=system.knob_changes,
         reasons=decision_reasons(system),
+        view=view,
     )
 
 

@@ -7,6 +7,8 @@ No decisions here: Controlled only wires the daemon's loop to an engine and a de
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from typing import Any
 
 from controller.policy import Policy
@@ -41,6 +43,11 @@ class System:
     def tick(self) -> dict:
         """One control period; returns the knobs for the timeline."""
         return {}
+
+    def freeze_view(self) -> Callable[[Any], dict] | None:
+        """What this system's own models predict, frozen now, as a function of a static
+        setting (daemon.sim.oracle.StaticSetting); None: a system without models."""
+        return None
 
 
 class Controlled(System):
@@ -131,6 +138,42 @@ class Controlled(System):
         # The same path a PUT /v1/control/policy takes.
         self.loop.set_policy(self.loop.controller.policy.with_changes(power_budget_w=budget_w))
 
+    def freeze_view(self) -> Callable[[Any], dict] | None:
+        """The controller's models as they stand now (a copy), asked what a static setting
+        would give at the load they estimate now: J/token, power, the percentile TTFT and
+        TPOT with the adaptive margin, and whether the controller could choose it
+        (`feasible`). Where the controller never takes the hindsight oracle's setting,
+        this says which of its predictions rules it out."""
+        ctl = copy.deepcopy(self.loop.controller)
+        temp_c = self.device.read().gpu_temp_c
+        workload = ctl.learner.workload.current()
+        budget_w = ctl.policy.power_budget_w
+
+        def view(setting: Any) -> dict:
+            outlook = ctl.outlook()
+            pr = outlook.predict(
+                setting.level,
+                setting.sm_clock_mhz,
+                setting.max_num_seqs,
+                setting.max_num_batched_tokens,
+                workload,
+                temp_c,
+                setting.decode_interval_ms,
+            )
+            ttft_ms = pr.ttft_ms * outlook.error_factor("ttft", pr)
+            tpot_ms = pr.tpot_ms * outlook.error_factor("tpot", pr)
+            return {
+                "request_rate_per_s": round(workload.request_rate_per_s, 3),
+                "j_per_token": _rounded(pr.j_per_token, 4),
+                "power_w": _rounded(pr.power_w, 1),
+                "p99_ttft_ms": _rounded(ttft_ms, 1),
+                "p99_tpot_ms": _rounded(tpot_ms, 1),
+                "stable": pr.stable,  # False: the engine predicted not to keep up
+                "feasible": outlook.feasible(pr, budget_w),
+            }
+
+        return view
+
     def tick(self) -> dict:
         d = self.loop.tick()
         self.knob_changes += len(d.changed)
@@ -144,3 +187,8 @@ class Controlled(System):
             "reason_code": d.reason_code.value,
             "effective_budget_w": d.effective_budget_w,
         }
+
+
+def _rounded(x: float, digits: int) -> float | None:
+    """JSON-ready: None for an infinite or undefined prediction."""
+    return round(x, digits) if x == x and abs(x) != float("inf") else None

@@ -356,3 +356,17 @@ def test_bench_control_reports_the_oracle_per_scenario_and_in_the_bars(tmp_path,
         line["energy_saving_vs_max_clock_pct"] / oracle["oracle_saving_vs_max_clock_pct"],
         abs=1e-3,
     )
+    assert oracle["p99_ttft_ms"] == row["best_static"]["p99_ttft_ms"]
+    assert oracle["p99_tpot_ms"] == row["best_static"]["p99_tpot_ms"]
+    # What the controller's models, frozen when the arrivals ended, predict for the
+    # oracle's setting: at the load they saw, and feasible only within the SLO margins.
+    view = oracle["controller_view_of_oracle"]
+    assert view["request_rate_per_s"] > 0
+    assert isinstance(view["stable"], bool) and isinstance(view["feasible"], bool)
+    if view["feasible"]:
+        assert view["stable"]
+        assert view["p99_ttft_ms"] <= 0.85 * 2000.0
+        assert view["p99_tpot_ms"] <= 0.85 * 400.0
+        assert view["j_per_token"] > 0
+    if not view["stable"]:
+        assert view["j_per_token"] is None and not view["feasible"]
