@@ -8,6 +8,7 @@ No decisions here: Controlled only wires the daemon's loop to an engine and a de
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -191,4 +192,4 @@ class Controlled(System):
 
 def _rounded(x: float, digits: int) -> float | None:
     """JSON-ready: None for an infinite or undefined prediction."""
-    return round(x, digits) if x == x and abs(x) != float("inf") else None
+    return round(x, digits) if math.isfinite(x) else None
