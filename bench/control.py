@@ -35,9 +35,11 @@ from bench.control_real import (
     DEFAULT_REQUESTS,
     attainment_interval,
     calibrate,
+    describe_targets,
     duration_for_requests,
     measure_capacity_real,
     measure_level_speeds_real,
+    real_targets,
     run_real,
 )
 from bench.control_systems import best_static, run_model
@@ -385,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     if requests_target is not None:
         line["requests_per_scenario_target"] = requests_target
+    if args.engine == "real":
+        line["real_engine_targets"] = real_targets(table)
+        for text in describe_targets(line["real_engine_targets"]):
+            print(text, flush=True)
     line["oracle"] = oracle
     line["calibration"] = cal_facts
     line["seed_offset"] = args.seed_offset

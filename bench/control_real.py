@@ -83,6 +83,61 @@ def attainment_interval(successes: int, count: int, confidence: float = 0.95) ->
     }
 
 
+def real_targets(table: dict[str, dict[str, dict]]) -> dict[str, dict]:
+    """Per scenario, the real engine's target checked: the controller's attainment at
+    least max clock's less the half-width of max clock's interval (`attainment_met`), its
+    J/token at most max clock's (`j_per_token_met`). Max clock has no board limit, so on
+    a load above the engine's capacity it buys attainment over the budget
+    (`max_clock_over_budget_s`); where static_cap ran (the top clock, board limit at the
+    budget, the engine's default caps), `static_cap_reaches_bar` says whether the top
+    clock within the budget reaches the bar there. Scenarios without both systems'
+    figures are left out."""
+    out: dict[str, dict] = {}
+    for name, rows in table.items():
+        ctl, top = rows.get("controller"), rows.get("max_clock")
+        if not ctl or not top or "attainment_ci" not in top:
+            continue
+        if ctl.get("attainment_pct") is None or top.get("attainment_pct") is None:
+            continue
+        bar = round(top["attainment_pct"] - top["attainment_ci"]["half_width_pct"], 2)
+        j, j_top = ctl.get("j_per_token"), top.get("j_per_token")
+        facts = {
+            "attainment_pct": ctl["attainment_pct"],
+            "attainment_bar_pct": bar,
+            "attainment_met": ctl["attainment_pct"] >= bar,
+            "j_per_token": j,
+            "max_clock_j_per_token": j_top,
+            "j_per_token_met": j is not None and j_top is not None and j <= j_top,
+            "max_clock_over_budget_s": top.get("over_budget_s"),
+        }
+        cap = rows.get("static_cap")
+        if cap and cap.get("attainment_pct") is not None:
+            facts["static_cap_attainment_pct"] = cap["attainment_pct"]
+            facts["static_cap_reaches_bar"] = cap["attainment_pct"] >= bar
+        out[name] = facts
+    return out
+
+
+def describe_targets(targets: dict[str, dict]) -> list[str]:
+    """One line per scenario of real_targets, for the log the bench prints."""
+    lines = []
+    for name, t in targets.items():
+        line = (
+            f"{name:>12} target: attainment {t['attainment_pct']}% against "
+            f"{t['attainment_bar_pct']}% ({'met' if t['attainment_met'] else 'not met'}), "
+            f"J/token {t['j_per_token']} against max clock's {t['max_clock_j_per_token']} "
+            f"({'met' if t['j_per_token_met'] else 'not met'}); max clock "
+            f"{t['max_clock_over_budget_s']} s over budget"
+        )
+        if "static_cap_reaches_bar" in t:
+            line += (
+                f"; static_cap {t['static_cap_attainment_pct']}% "
+                f"({'reaches' if t['static_cap_reaches_bar'] else 'under'} the bar)"
+            )
+        lines.append(line)
+    return lines
+
+
 def calibrate(model: str, levels: tuple[str, ...], dtype: str, threads: int | None) -> Calibration:
     """Measure the real engine's steps at each level over a spread of batch shapes."""
     import torch

@@ -1,11 +1,18 @@
-"""`bench control --engine real`'s arithmetic: the Wilson interval on attainment and the
-rule that sets each scenario's duration from the requests it must bring. No engine runs."""
+"""`bench control --engine real`'s arithmetic: the Wilson interval on attainment, the
+rule that sets each scenario's duration from the requests it must bring, and the check of
+the real engine's target. No engine runs."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.control_real import attainment_interval, duration_for_requests, wilson_interval
+from bench.control_real import (
+    attainment_interval,
+    describe_targets,
+    duration_for_requests,
+    real_targets,
+    wilson_interval,
+)
 from daemon.sim.scenarios import RequestMix, arrivals, make_scenarios
 
 
@@ -71,3 +78,45 @@ def test_a_doubled_capacity_halves_the_duration_of_a_steady_load():
     d2 = duration_for_requests(_build("steady60"), 100, 2.0, mix, grow=1.0001, rounds=10_000)
     # The same seeded draw at twice the rate: the n-th arrival comes at half the time.
     assert d2 == pytest.approx(d1 / 2, rel=1e-3)
+
+
+def _row(successes: int, count: int, j: float | None, over_s: float = 0.0) -> dict:
+    return {
+        "attainment_pct": round(100.0 * successes / count, 2),
+        "attainment_ci": attainment_interval(successes, count),
+        "j_per_token": j,
+        "over_budget_s": over_s,
+    }
+
+
+def test_real_targets_check_the_controller_against_max_clock_less_its_half_width():
+    # An fp32 burst of 2026-12-06: max clock over the budget, static_cap (the top clock
+    # within it) and the controller both under max clock's bar.
+    burst = {
+        "controller": _row(132, 225, 0.6273),
+        "max_clock": _row(177, 226, 0.7851, over_s=6.3),
+        "static_cap": _row(158, 226, 0.7813),
+    }
+    steady = {"controller": _row(204, 204, 0.4802), "max_clock": _row(204, 204, 0.6216)}
+    got = real_targets({"burst": burst, "steady60": steady, "pid_only": {"pid_power": burst}})
+    assert set(got) == {"burst", "steady60"}  # a scenario without both is left out
+    b = got["burst"]
+    bar = round(78.32 - burst["max_clock"]["attainment_ci"]["half_width_pct"], 2)
+    assert b["attainment_bar_pct"] == bar and 72.0 < bar < 74.0
+    assert b["attainment_pct"] == 58.67 and not b["attainment_met"]
+    assert b["j_per_token_met"] and b["max_clock_over_budget_s"] == 6.3
+    assert b["static_cap_attainment_pct"] == 69.91 and not b["static_cap_reaches_bar"]
+    s = got["steady60"]
+    # 100 % against 100 % less its half-width: met; cheaper: met; no static_cap ran.
+    assert s["attainment_met"] and s["j_per_token_met"]
+    assert "static_cap_reaches_bar" not in s
+    lines = describe_targets(got)
+    assert len(lines) == 2 and "not met" in lines[0] and "under the bar" in lines[0]
+
+
+def test_real_targets_fail_the_energy_check_when_the_controller_costs_more_or_has_no_figure():
+    over = {"controller": _row(200, 200, 0.70), "max_clock": _row(200, 200, 0.65)}
+    none = {"controller": _row(200, 200, None), "max_clock": _row(200, 200, 0.65)}
+    got = real_targets({"a": over, "b": none})
+    assert got["a"]["attainment_met"] and not got["a"]["j_per_token_met"]
+    assert not got["b"]["j_per_token_met"]
