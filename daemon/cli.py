@@ -154,6 +154,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from bench import control_ceiling
 
         return control_ceiling.main(args.rest)
+    if args.which == "control-noise":
+        from bench import control_noise
+
+        return control_noise.main(args.rest)
     if args.which == "fleet":
         from bench import fleet as bench_fleet
 
@@ -259,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
             "prefix",
             "control",
             "control-ceiling",
+            "control-noise",
             "gpu",
             "fleet",
         ],

@@ -234,6 +234,30 @@ def test_bench_control_ceiling_reports_each_family(tmp_path, capsys):
     assert line["oracle_saving_pct"] >= line["paced_saving_pct"]
 
 
+def test_bench_control_noise_reports_each_window_length(tmp_path, capsys):
+    line = _bench_json(
+        "control-noise",
+        tmp_path,
+        capsys,
+        "--setting",
+        "bf16:795:64:512:0",
+        "--duration-s",
+        "120",
+        "--windows-s",
+        "10,45",
+    )
+    assert line["scenario"] == "steady60" and line["j_per_token"] > 0
+    short, long = line["windows"]
+    assert (short["window_s"], short["windows"]) == (10.0, 9)
+    assert (long["window_s"], long["windows"]) == (45.0, 2)
+    # Poisson arrivals: ten-second windows' J/token spreads; the idle share taken out,
+    # less of it is left, and a 1.5 % gap needs fewer windows to resolve.
+    assert short["raw_spread_pct"] > 0
+    assert 0 < short["normalized_spread_pct"] < short["raw_spread_pct"]
+    assert short["normalized_windows_needed"] <= short["raw_windows_needed"]
+    assert "raw_spread_pct" not in long  # two windows give no spread
+
+
 def test_a_fixed_system_name_with_one_study_field_is_refused_by_name():
     from controller.policy import Policy
 
