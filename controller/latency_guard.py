@@ -218,7 +218,13 @@ class LatencyGuard(Part):
             and len(runs) == runs.maxlen
             and stats.num_running >= p.guard_rise_factor * max(runs[0], 1)
         )
-        if not (growing or long_wait or cap_bound or queue_late or ttft_miss or tpot_miss):
+        # Arrivals surging (Surge: the last surge_window_s brought far more requests than
+        # the rate estimated before them gives): a burst's prompts are admitted into the
+        # running batch in chunks, so on an engine with room a queue shows only once the
+        # batch is full, seconds in. Step up now, pacing off, and the floor goes with the
+        # surge (a queue's floor).
+        surge = self.learner.workload.surge
+        if not (growing or long_wait or cap_bound or queue_late or ttft_miss or tpot_miss or surge):
             return None
         if self.fired_within(now_s, p.guard_cooldown_s):
             # Still within the cooldown of the last step up: keep its floor, no new step.
@@ -226,12 +232,16 @@ class LatencyGuard(Part):
         top = ceiling if ceiling is not None else lim.top_mhz
         # The budget wins over latency: never above what the power model says fits it.
         top = min(top, max(outlook.safe_clock(budget_w, telemetry.gpu_temp_c), lim.snap(clock)))
-        # A request already waiting half its TTFT SLO cannot wait for a staircase: jump to
-        # the top; otherwise step up by guard_clock_steps candidates, or (a late queue) to
-        # the lowest clock predicted to drain it in time.
-        step = len(lim.clocks_mhz) if long_wait or cap_bound else p.guard_clock_steps
+        # A request already waiting half its TTFT SLO cannot wait for a staircase, nor can
+        # a queue while the arrivals surge (the models, fitted on the calm before, call the
+        # staircase's clocks enough: the rate they read still trails, and the output rate,
+        # the one served, trails most): jump to the top; otherwise step up by
+        # guard_clock_steps candidates, or (a late queue) to the lowest clock predicted to
+        # drain it in time.
+        jump = long_wait or cap_bound or (surge is not None and (growing or queue_late))
+        step = len(lim.clocks_mhz) if jump else p.guard_clock_steps
         target = min(lim.move(lim.snap(clock), step), top)
-        if queue_late and not (long_wait or cap_bound):
+        if queue_late and not jump:
             drain_at = top
             for f in lim.clocks_mhz:
                 if f <= clock or f > top:
@@ -263,9 +273,12 @@ class LatencyGuard(Part):
                 drain = outlook.chunk_to_drain(level, target, stats, tokens, workload, late_s)
                 tokens = max(tokens, drain)
         # Decode pacing trades TPOT headroom for energy: a TPOT miss or a long wait leaves
-        # none to trade, at the top clock too. (A queue alone leaves it: the engine does not
-        # pace while requests wait.)
-        pace_off = knobs.decode_interval_ms > 0 and bool(tpot_miss or long_wait or cap_bound)
+        # none to trade, at the top clock too, and a surge none to keep (a paced request
+        # holds its slot longer while the arrivals fill the others). (A queue alone leaves
+        # it: the engine does not pace while requests wait.)
+        pace_off = knobs.decode_interval_ms > 0 and bool(
+            tpot_miss or long_wait or cap_bound or surge
+        )
         unchanged = (target, seqs, tokens) == (
             clock,
             knobs.max_num_seqs,
@@ -274,7 +287,8 @@ class LatencyGuard(Part):
         if unchanged and not pace_off:
             return None  # nothing left to raise: let the optimizer keep its choice
         self._hold_floor(target, now_s, queue=not (ttft_miss or tpot_miss or long_wait))
-        if growing or long_wait or cap_bound or queue_late:
+        queued = growing or long_wait or cap_bound or queue_late
+        if queued or not (ttft_miss or tpot_miss):  # a queue, or a surge alone
             code = Reason.QUEUE_GROWTH
             if cap_bound and not long_wait:
                 what = (
@@ -285,11 +299,15 @@ class LatencyGuard(Part):
                 what = f"waiting queue growing ({'→'.join(map(str, hist[-k - 1 :]))})"
             elif long_wait:
                 what = f"oldest request waiting {stats.oldest_waiting_s:.2f} s"
-            else:
+            elif queue_late:
                 what = (
                     f"{stats.num_waiting} waiting would see their first token in "
                     f"{1000.0 * (drain_s or 0.0):.0f} ms at {clock} MHz"
                 )
+            else:
+                what = ""
+            if surge is not None and not (cap_bound or long_wait):
+                what = f"{what}, {surge.describe()}" if what else surge.describe()
         else:
             code = Reason.SLO_MISS
             parts = []

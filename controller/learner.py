@@ -57,7 +57,12 @@ class Learner:
         # ratios above, so that a clock found wanting stays so for a while.
         self.ttft_error = QuantileRatio(default=1.0, window=400, max_age_s=300.0)
         self.tpot_error = QuantileRatio(default=1.0, window=400, max_age_s=300.0)
-        self.workload = WorkloadEstimator(params.workload_tau_s)
+        self.workload = WorkloadEstimator(
+            params.workload_tau_s,
+            surge_window_s=params.surge_window_s,
+            surge_alpha=params.surge_alpha,
+            surge_min_ratio=params.surge_min_ratio,
+        )
         self.recent_steps: deque[StepRecord] = deque(maxlen=512)
         # The model's mean predictions in force, smoothed over about a request's life.
         self.pred_ttft_ms = Ewma(5.0)

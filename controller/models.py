@@ -472,10 +472,56 @@ MEAN_PROMPT_REQUESTS = 30.0
 PROMPT_SIZES_KEPT = 64
 
 
-class WorkloadEstimator:
-    """Rates from the engine's cumulative counters, smoothed over tau_s."""
+@dataclass(frozen=True)
+class Surge:
+    """Arrivals over a short window far above what the smoothed rate before it gives."""
 
-    def __init__(self, tau_s: float) -> None:
+    requests: int
+    window_s: float
+    expected: float  # requests the rate estimated before the window gives for it
+    tail: float  # Poisson probability of at least that many at that rate
+
+    def describe(self) -> str:
+        return (
+            f"arrivals surging: {self.requests} in {self.window_s:.1f} s "
+            f"against {self.expected:.1f} expected"
+        )
+
+
+def poisson_tail(n: int, mean: float) -> float:
+    """P(N >= n) for N Poisson with this mean."""
+    if n <= 0:
+        return 1.0
+    if mean <= 0:
+        return 0.0
+    term = math.exp(-mean)
+    below = term
+    for k in range(1, n):
+        term *= mean / k
+        below += term
+    return max(0.0, 1.0 - below)
+
+
+# No surge is called before the rate has been estimated for this many time constants:
+# the estimate starts at 0 and climbs, so the first seconds of any load look like a surge
+# against it (on steady loads every early call came before 8 s).
+SURGE_WARMUP_TAUS = 2.0
+
+
+class WorkloadEstimator:
+    """Rates from the engine's cumulative counters, smoothed over tau_s; and whether the
+    latest surge_window_s of arrivals are a surge (Surge) against the rate estimated before
+    them: at least surge_min_ratio x what it gives, with Poisson probability under
+    surge_alpha (a steady load's bunching passes that rarely; a burst at twice the load
+    passes it within a few seconds)."""
+
+    def __init__(
+        self,
+        tau_s: float,
+        surge_window_s: float = 2.0,
+        surge_alpha: float = 1e-4,
+        surge_min_ratio: float = 2.0,
+    ) -> None:
         self._rate = Ewma(tau_s, 0.0)
         self._prompt = Ewma(tau_s, 0.0)
         self._output = Ewma(tau_s, 0.0)
@@ -490,6 +536,13 @@ class WorkloadEstimator:
         # When a request last arrived, and the request rate estimated then.
         self.last_arrival_s: float | None = None
         self.rate_at_last_arrival_per_s = 0.0
+        self.surge_window_s = surge_window_s
+        self.surge_alpha = surge_alpha
+        self.surge_min_ratio = surge_min_ratio
+        # (time, requests so far, the rate estimated then), the window's span and one more.
+        self._arrivals: deque[tuple[float, int, float]] = deque()
+        self.surge: Surge | None = None  # as of the latest update
+        self._first_update_s: float | None = None
 
     def lull(self, now_s: float, gaps: float, min_s: float) -> bool:
         """No request has arrived for `gaps` mean gaps at the rate estimated when the last
@@ -530,6 +583,7 @@ class WorkloadEstimator:
                     self.last_arrival_s = now_s
                     self.rate_at_last_arrival_per_s = self._rate.value or 0.0
         self._last = (now_s, requests_total, prompt_tokens_total, output_tokens_total)
+        self.surge = self._surge(now_s, requests_total)
         decode = sum(s.decode_tokens for s in steps)
         if decode > 0:
             ctx = sum(s.context_tokens for s in steps) / decode
@@ -538,6 +592,30 @@ class WorkloadEstimator:
         if busy > 0 and not paced:
             share = sum(s.duration_s for s in steps if s.has_prefill) / busy
             self._prefill_share.add(share, busy)
+
+    def _surge(self, now_s: float, requests_total: int) -> Surge | None:
+        """The arrivals since the newest update at least surge_window_s old, set against
+        the rate estimated at that update (before them)."""
+        hist = self._arrivals
+        hist.append((now_s, requests_total, self._rate.value or 0.0))
+        while len(hist) > 1 and now_s - hist[1][0] >= self.surge_window_s:
+            hist.popleft()
+        if self._first_update_s is None:
+            self._first_update_s = now_s
+        if now_s - self._first_update_s < SURGE_WARMUP_TAUS * self._rate.tau_s:
+            return None
+        t0, total0, rate0 = hist[0]
+        span_s = now_s - t0
+        if span_s < self.surge_window_s or rate0 <= 0:
+            return None
+        n = requests_total - total0
+        expected = rate0 * span_s
+        if n < max(3.0, self.surge_min_ratio * expected):
+            return None
+        tail = poisson_tail(n, expected)
+        if tail >= self.surge_alpha:
+            return None
+        return Surge(n, span_s, expected, tail)
 
     def current(self) -> Workload:
         return Workload(

@@ -113,7 +113,11 @@ class ControllerParams:
     cap; quantization trials still wait guard_hold_s); a running batch of at
     least guard_cap_share x the engine's largest max_num_seqs that grew guard_rise_factor x over
     the last guard_rise_ticks observations (a burst filling the engine) takes the top clock the
-    budget allows and no pacing at once, where the board limit holds the budget. Adaptive
+    budget allows and no pacing at once, where the board limit holds the budget, and so does a
+    queue guard while the arrivals surge (the requests of the last surge_window_s are at least
+    surge_min_ratio x, and with Poisson probability under surge_alpha, what the request rate
+    estimated before them gives); a surge with no queue steps up guard_clock_steps, pacing
+    off, on a queue's floor. Adaptive
     margin: each measured TTFT and TPOT over the model's percentile prediction in force is kept
     per level and clock; the split-conformal (1 - margin_alpha) quantile of those ratios (the
     clock's own where it has enough, else pooled; at most margin_max, never below 1) multiplies
@@ -170,6 +174,9 @@ class ControllerParams:
     guard_cooldown_s: float = 1.0
     guard_hold_s: float = 10.0
     guard_release_s: float = 2.0
+    surge_window_s: float = 2.0
+    surge_alpha: float = 1e-4
+    surge_min_ratio: float = 2.0
     margin_alpha: float = 0.1
     margin_max: float = 4.0
     margin_settle_s: float = 60.0

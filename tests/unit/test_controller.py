@@ -365,6 +365,51 @@ def test_queue_growth_steps_up_at_once():
     assert decision.knobs.sm_clock_mhz > clock
 
 
+def test_a_surge_of_arrivals_steps_up_before_a_queue_and_turns_pacing_off():
+    # A burst's prompts go into the running batch in chunks: on an engine with room no
+    # queue shows for seconds. Arrivals far above the rate estimated before them are
+    # enough: a step up (not the top: one bunch of arrivals may be chance), pacing off.
+    ctl = make_controller(decode_interval_max_ms=400.0)
+    plant = Plant(compute_share=0.1)
+    run(ctl, plant, 60)
+    before = ctl.knobs
+    assert before.decode_interval_ms > 0 and before.sm_clock_mhz < LADDER[-1]
+    fired = None
+    for _ in range(12):
+        plant.totals[0] += 2  # eight requests a second more than the plant's one
+        telemetry, stats = plant.tick(ctl.knobs)
+        assert stats.num_waiting == 0
+        d = ctl.observe(telemetry, stats, plant.t_s)
+        if d.state is ControllerState.GUARD_LATENCY:
+            fired = d
+            break
+    assert fired is not None and fired.reason_code is Reason.QUEUE_GROWTH
+    assert fired.reason.startswith("arrivals surging")
+    assert before.sm_clock_mhz < fired.knobs.sm_clock_mhz < LADDER[-1]
+    assert fired.knobs.decode_interval_ms == 0.0
+    assert "decode pacing off" in fired.reason
+
+
+def test_a_growing_queue_in_a_surge_takes_the_top_clock_not_a_staircase():
+    top = {}
+    for surge in (False, True):
+        ctl, plant = settled_on_a_light_load()
+        decision = None
+        for waiting in (1, 3, 6, 10):
+            if surge:
+                plant.totals[0] += 4
+            plant.waiting = waiting
+            telemetry, stats = plant.tick(ctl.knobs)
+            stats = EngineStats(**{**stats.__dict__, "num_waiting": waiting})
+            decision = ctl.observe(telemetry, stats, plant.t_s)
+            if decision.reason_code is Reason.QUEUE_GROWTH:
+                break
+        assert decision is not None and decision.reason_code is Reason.QUEUE_GROWTH
+        assert ("arrivals surging" in decision.reason) is surge
+        top[surge] = decision.knobs.sm_clock_mhz
+    assert top[False] < LADDER[-1] == top[True]
+
+
 def test_no_clock_raise_while_the_hardware_slows_the_gpu_down_until_it_clears():
     ctl, plant = settled_on_a_light_load()
     clock = ctl.knobs.sm_clock_mhz

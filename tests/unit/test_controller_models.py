@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from controller.models import (
+    SURGE_WARMUP_TAUS,
     PowerModel,
     PowerSegment,
     QuantileRatio,
@@ -17,6 +18,7 @@ from controller.models import (
     Workload,
     WorkloadEstimator,
     percentile_of,
+    poisson_tail,
     predict,
 )
 from controller.policy import (
@@ -188,6 +190,56 @@ def test_the_mean_prompt_is_the_requests_mean_not_the_first_one_s():
     # The first request's 400 tokens are forgotten (weighted by seconds, as the estimate
     # once was, they still made up 44 % of it here).
     assert est.current().mean_prompt_tokens == pytest.approx(100.0, abs=3.0)
+
+
+def test_poisson_tail():
+    assert poisson_tail(0, 2.0) == 1.0
+    assert poisson_tail(1, 2.0) == pytest.approx(1.0 - math.exp(-2.0))
+    assert poisson_tail(3, 2.0) == pytest.approx(1.0 - 5.0 * math.exp(-2.0))
+    assert poisson_tail(3, 0.0) == 0.0
+
+
+def _arrivals(est: WorkloadEstimator, t0: float, seconds: float, per_tick: int, total: int):
+    """Updates every 0.25 s with per_tick requests each; returns (time, total, surges)."""
+    t, surges = t0, []
+    for _ in range(round(seconds / 0.25)):
+        t += 0.25
+        total += per_tick
+        est.update(t, total, 100 * total, 50 * total, ())
+        surges.append(est.surge)
+    return t, total, surges
+
+
+def test_a_surge_is_arrivals_far_above_the_rate_estimated_before_them():
+    est = WorkloadEstimator(tau_s=8.0)
+    est.update(0.0, 0, 0, 0, ())
+    # Four a second for a minute: even, so never a surge once the estimate is warm.
+    t, total, steady = _arrivals(est, 0.0, 60.0, 1, 0)
+    assert all(s is None for s in steady)
+    # Then twelve a second: called within the 2 s window, against what 4/s gives for it.
+    t, total, burst = _arrivals(est, t, 3.0, 3, total)
+    called = [i for i, s in enumerate(burst) if s is not None]
+    assert called and 0.25 * (called[0] + 1) <= 2.0
+    first = burst[called[0]]
+    assert first.expected == pytest.approx(4.0 * first.window_s, rel=0.05)
+    assert first.requests >= 2 * first.expected and first.tail < est.surge_alpha
+    assert "arrivals surging" in first.describe()
+    # Back to four a second: the window empties of the burst, and the call ends.
+    _, _, after = _arrivals(est, t, 3.0, 1, total)
+    assert after[-1] is None
+
+
+def test_no_surge_is_called_while_the_rate_estimate_is_young():
+    # The estimate starts at 0: the first seconds of any load would look like a surge.
+    est = WorkloadEstimator(tau_s=8.0)
+    est.update(0.0, 0, 0, 0, ())
+    t, total, early = _arrivals(est, 0.0, SURGE_WARMUP_TAUS * 8.0 - 1.0, 3, 0)
+    assert all(s is None for s in early)
+    assert est.current().request_rate_per_s < 12.0 * 0.9  # still climbing to 12/s
+    # Once warm, the same check calls a real jump.
+    t, total, _ = _arrivals(est, t, 30.0, 1, total)
+    _, _, burst = _arrivals(est, t, 2.5, 5, total)
+    assert burst[-1] is not None
 
 
 def test_the_rate_s_standard_error_is_that_of_random_arrivals_over_the_time_constant():
