@@ -348,12 +348,12 @@ def test_power_settles_below_a_lowered_budget_on_the_plant():
     assert after and max(after) < 170.0 * 1.03
 
 
-def test_queue_growth_steps_up_at_once():
-    ctl, plant = settled_on_a_light_load()
-    clock = ctl.knobs.sm_clock_mhz
-    assert clock < LADDER[-1]
+def _queue_grows(ctl: Controller, plant: Plant, arrivals_per_tick: int = 0) -> Decision:
+    """1, 3, 6, 10 waiting on successive observations (arrivals_per_tick requests more than
+    the plant's each) until the queue-growth guard fires; that decision."""
     decision = None
     for waiting in (1, 3, 6, 10):
+        plant.totals[0] += arrivals_per_tick
         plant.waiting = waiting
         telemetry, stats = plant.tick(ctl.knobs)
         stats = EngineStats(**{**stats.__dict__, "num_waiting": waiting})
@@ -361,6 +361,14 @@ def test_queue_growth_steps_up_at_once():
         if decision.reason_code is Reason.QUEUE_GROWTH:
             break
     assert decision is not None and decision.reason_code is Reason.QUEUE_GROWTH
+    return decision
+
+
+def test_queue_growth_steps_up_at_once():
+    ctl, plant = settled_on_a_light_load()
+    clock = ctl.knobs.sm_clock_mhz
+    assert clock < LADDER[-1]
+    decision = _queue_grows(ctl, plant)
     assert decision.state is ControllerState.GUARD_LATENCY
     assert decision.knobs.sm_clock_mhz > clock
 
@@ -394,17 +402,7 @@ def test_a_growing_queue_in_a_surge_takes_the_top_clock_not_a_staircase():
     top = {}
     for surge in (False, True):
         ctl, plant = settled_on_a_light_load()
-        decision = None
-        for waiting in (1, 3, 6, 10):
-            if surge:
-                plant.totals[0] += 4
-            plant.waiting = waiting
-            telemetry, stats = plant.tick(ctl.knobs)
-            stats = EngineStats(**{**stats.__dict__, "num_waiting": waiting})
-            decision = ctl.observe(telemetry, stats, plant.t_s)
-            if decision.reason_code is Reason.QUEUE_GROWTH:
-                break
-        assert decision is not None and decision.reason_code is Reason.QUEUE_GROWTH
+        decision = _queue_grows(ctl, plant, arrivals_per_tick=4 if surge else 0)
         assert ("arrivals surging" in decision.reason) is surge
         top[surge] = decision.knobs.sm_clock_mhz
     assert top[False] < LADDER[-1] == top[True]
