@@ -519,7 +519,7 @@ class WorkloadEstimator:
         self,
         tau_s: float,
         surge_window_s: float = 2.0,
-        surge_alpha: float = 1e-4,
+        surge_alpha: float = 1e-5,
         surge_min_ratio: float = 2.0,
     ) -> None:
         self._rate = Ewma(tau_s, 0.0)

@@ -175,7 +175,7 @@ class ControllerParams:
     guard_hold_s: float = 10.0
     guard_release_s: float = 2.0
     surge_window_s: float = 2.0
-    surge_alpha: float = 1e-4
+    surge_alpha: float = 1e-5
     surge_min_ratio: float = 2.0
     margin_alpha: float = 0.1
     margin_max: float = 4.0

@@ -402,7 +402,7 @@ def test_a_growing_queue_in_a_surge_takes_the_top_clock_not_a_staircase():
     top = {}
     for surge in (False, True):
         ctl, plant = settled_on_a_light_load()
-        decision = _queue_grows(ctl, plant, arrivals_per_tick=4 if surge else 0)
+        decision = _queue_grows(ctl, plant, arrivals_per_tick=6 if surge else 0)
         assert ("arrivals surging" in decision.reason) is surge
         top[surge] = decision.knobs.sm_clock_mhz
     assert top[False] < LADDER[-1] == top[True]
