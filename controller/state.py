@@ -233,6 +233,7 @@ class ControllerParams:
             "batch_trust_factor",
             "quant_peak_window_s",
             "workload_tau_s",
+            "surge_window_s",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ControllerParams.{name} must be > 0")
@@ -247,6 +248,8 @@ class ControllerParams:
             raise ValueError("ControllerParams: clock_candidates >= 2, guard_clock_steps >= 1")
         if self.pace_backoff_s < 0 or self.descend_load_z < 0:
             raise ValueError("ControllerParams: pace_backoff_s >= 0, descend_load_z >= 0")
+        if not 0 < self.surge_alpha < 1 or self.surge_min_ratio < 1:
+            raise ValueError("ControllerParams: 0 < surge_alpha < 1, surge_min_ratio >= 1")
         if not 0 < self.learning_low_clock_fraction <= 1:
             raise ValueError("ControllerParams.learning_low_clock_fraction must be in (0, 1]")
         if not self.surprise_max > 1:

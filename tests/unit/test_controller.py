@@ -1275,6 +1275,10 @@ def test_nothing_predicted_within_the_budget_does_not_undo_a_latency_guard_s_flo
         {"learning_low_clock_fraction": 0.0},
         {"learning_low_clock_fraction": 1.5},
         {"surprise_max": 1.0},
+        {"surge_window_s": 0.0},
+        {"surge_alpha": 0.0},
+        {"surge_alpha": 1.0},
+        {"surge_min_ratio": 0.5},
     ],
 )
 def test_controller_params_refuse_values_that_make_no_sense(bad):
