@@ -133,6 +133,11 @@ def calibration_facts(path: Path, source: str, cal: Calibration) -> dict[str, An
 
 
 def add_calibration_args(ap: argparse.ArgumentParser) -> None:
+    """The arguments load_or_calibrate reads: the model, dtype and threads the calibration
+    is for, and where it comes from."""
+    ap.add_argument("--model", default="embedded")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument(
         "--calibration", type=Path, default=None, help="a calibration file to use instead"
     )
@@ -142,6 +147,22 @@ def add_calibration_args(ap: argparse.ArgumentParser) -> None:
         help="measure the real engine on this machine (saved to the cache) instead of the "
         "calibration committed with the bench",
     )
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """A comma list of integers, for argparse."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of integers: {text!r}") from None
+
+
+def float_list(text: str) -> tuple[float, ...]:
+    """A comma list of numbers, for argparse."""
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of numbers: {text!r}") from None
 
 
 def shift_seeds(scenarios: dict[str, Scenario], offset: int) -> dict[str, Scenario]:
@@ -175,9 +196,6 @@ def main(argv: list[str] | None = None) -> int:
         help=f"real engine: each scenario lasts until this many arrivals are due, from its "
         f"mean arrival rate (default {DEFAULT_REQUESTS}; --duration-s overrides)",
     )
-    ap.add_argument("--model", default="embedded")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--levels", type=lambda s: s.split(","), default=list(DEFAULT_LEVELS))
     ap.add_argument(
         "--start-level", default=None, help="level the engine starts at (default: full precision)"

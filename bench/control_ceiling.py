@@ -26,7 +26,13 @@ import dataclasses
 import json
 import time
 
-from bench.control import DEFAULT_LEVELS, add_calibration_args, load_or_calibrate
+from bench.control import (
+    DEFAULT_LEVELS,
+    add_calibration_args,
+    float_list,
+    int_list,
+    load_or_calibrate,
+)
 from bench.control_systems import run_model
 from controller.policy import ControlMode, Policy
 from daemon.device.virtual import VirtualGpuParams
@@ -60,26 +66,18 @@ def family_spaces(joint: SearchSpace, decode_clocks_mhz: tuple[int, ...]) -> dic
     }
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(","))
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(","))
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="wattserve bench control-ceiling", description=__doc__)
     ap.add_argument("--scenario", default="steady60")
     ap.add_argument("--duration-s", type=float, default=300.0)
     ap.add_argument("--levels", type=lambda s: tuple(s.split(",")), default=DEFAULT_LEVELS)
     ap.add_argument(
-        "--clocks-mhz", type=_ints, default=None, help="clocks to search (default: the ladder)"
+        "--clocks-mhz", type=int_list, default=None, help="clocks to search (default: the ladder)"
     )
-    ap.add_argument("--decode-clocks-mhz", type=_ints, default=DECODE_CLOCKS_MHZ)
+    ap.add_argument("--decode-clocks-mhz", type=int_list, default=DECODE_CLOCKS_MHZ)
     ap.add_argument(
         "--intervals-ms",
-        type=_floats,
+        type=float_list,
         default=None,
         help="decode pacing intervals besides 0 (default: every 25 ms up to 1000)",
     )
@@ -87,9 +85,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     ap.add_argument("--tpot-slo-ms", type=float, default=400.0)
     ap.add_argument("--max-ppl-increase-pct", type=float, default=2.0)
-    ap.add_argument("--model", default="embedded")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--threads", type=int, default=None)
     add_calibration_args(ap)
     args = ap.parse_args(argv)
 

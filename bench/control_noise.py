@@ -24,7 +24,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from bench.control import add_calibration_args, load_or_calibrate, shift_seeds
+from bench.control import add_calibration_args, float_list, load_or_calibrate, shift_seeds
 from controller.policy import ControlMode, Policy
 from daemon.sim.metrics import summarize
 from daemon.sim.oracle import StaticSetting, run_static
@@ -72,19 +72,18 @@ def window_spread(
     windows: Sequence[tuple[float, float]], window_s: float, run_j_per_token: float
 ) -> dict:
     """(joules, tokens) per window -> the raw and idle-removed spreads (percent)."""
-    js = [e / k for e, k in windows if k > 0]
-    n = len(js)
+    kept = [(e, k) for e, k in windows if k > 0]
+    n = len(kept)
     out: dict = {"window_s": window_s, "windows": n}
     if n < 4:
         return out
-    mean = statistics.fmean(js)
-    raw_pct = 100.0 * statistics.stdev(js) / mean
+    js = [e / k for e, k in kept]
+    raw_pct = 100.0 * statistics.stdev(js) / statistics.fmean(js)
     out["raw_spread_pct"] = round(raw_pct, 2)
     out["raw_pair_spread_pct"] = round(raw_pct * math.sqrt(2.0), 2)
     if n < NORMALIZED_MIN_WINDOWS:
         return out
-    ks = [k for _, k in windows if k > 0]
-    es = [e for e, k in windows if k > 0]
+    es, ks = zip(*kept, strict=True)
     k_mean, e_mean = statistics.fmean(ks), statistics.fmean(es)
     sxx = sum((k - k_mean) ** 2 for k in ks)
     if sxx <= 0:
@@ -129,8 +128,14 @@ def measure(
 
 
 def _setting(text: str) -> StaticSetting:
-    level, clock, seqs, tokens, interval = text.split(":")
-    return StaticSetting(level, int(clock), int(seqs), int(tokens), float(interval))
+    """level:clock MHz:max seqs:max batched tokens:decode interval ms, for argparse."""
+    try:
+        level, clock, seqs, tokens, interval = text.split(":")
+        return StaticSetting(level, int(clock), int(seqs), int(tokens), float(interval))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not level:clock:seqs:tokens:interval (e.g. bf16:435:64:64:100): {text!r}"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,15 +149,22 @@ def main(argv: list[str] | None = None) -> int:
         help="level:clock MHz:max seqs:max batched tokens:decode interval ms "
         "(default: the oracle's on steady 60 %%, default seeds)",
     )
-    ap.add_argument("--windows-s", default="10,20,30,60")
+    ap.add_argument("--windows-s", type=float_list, default=(10.0, 20.0, 30.0, 60.0))
     ap.add_argument("--warmup-s", type=float, default=30.0)
     ap.add_argument("--gap-pct", type=float, default=1.5, help="the J/token gap to resolve")
     ap.add_argument("--duration-s", type=float, default=300.0)
-    ap.add_argument("--model", default="embedded")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--threads", type=int, default=None)
     add_calibration_args(ap)
     args = ap.parse_args(argv)
+    if not all(w > 0 for w in args.windows_s):
+        ap.error(f"--windows-s: every window must be > 0 s, got {args.windows_s}")
+    if not args.gap_pct > 0:
+        ap.error(f"--gap-pct must be > 0, got {args.gap_pct:g}")
+    if not 0 <= args.warmup_s < args.duration_s:
+        ap.error("--warmup-s must be >= 0 and shorter than --duration-s")
+    scenarios = shift_seeds(make_scenarios(args.duration_s, 300.0, 220.0, 180.0), args.seed_offset)
+    if args.scenario not in scenarios:
+        ap.error(f"--scenario: one of {', '.join(scenarios)}, got {args.scenario!r}")
+    scenario = scenarios[args.scenario]
     args.levels = (args.setting.level,)  # the one level the setting runs
 
     cal, _ = load_or_calibrate(args)
@@ -166,12 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         max_ppl_increase_pct=2.0,
     )
     capacity = measure_capacity(cal, start, mix)
-    scenarios = shift_seeds(make_scenarios(args.duration_s, 300.0, 220.0, 180.0), args.seed_offset)
-    scenario = scenarios[args.scenario]
     res = run_static(scenario, args.setting, cal, capacity, mix, policy, start)
     summary = summarize(res, policy, scenario)
-    windows = [float(x) for x in args.windows_s.split(",")]
-    rows = measure(res, windows, args.warmup_s, args.duration_s, args.gap_pct)
+    rows = measure(res, args.windows_s, args.warmup_s, args.duration_s, args.gap_pct)
     print(
         f"{scenario.name} (seed offset {args.seed_offset}), {args.setting.label}: "
         f"{summary['j_per_token']} J/token, attainment {summary['attainment_pct']} %"

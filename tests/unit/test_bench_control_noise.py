@@ -7,6 +7,7 @@ import pytest
 from bench.control_noise import (
     NORMALIZED_MIN_WINDOWS,
     energy_between,
+    main,
     tokens_between,
     window_spread,
     windows_needed,
@@ -66,3 +67,22 @@ def test_windows_needed_for_a_gap_two_standard_errors_clear():
     assert windows_needed(0.1, 9.0) == 1
     with pytest.raises(ValueError):
         windows_needed(1.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--windows-s", "10,0"], "every window must be > 0 s"),
+        (["--windows-s", "10,x"], "not a comma list of numbers"),
+        (["--gap-pct", "0"], "--gap-pct must be > 0"),
+        (["--warmup-s", "400"], "shorter than --duration-s"),
+        (["--scenario", "nope"], "one of steady30"),
+        (["--setting", "bf16:435"], "not level:clock:seqs:tokens:interval"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_runs(argv, says, capsys):
+    # A zero window would never end the loop that cuts the run into windows.
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert says in capsys.readouterr().err
