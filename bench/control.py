@@ -149,6 +149,38 @@ def add_calibration_args(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def add_policy_args(ap: argparse.ArgumentParser) -> None:
+    """The policy every control bench runs under (policy_from_args) and the scenarios'
+    budgets (make_scenarios)."""
+    ap.add_argument("--budget-w", type=float, default=300.0)
+    ap.add_argument("--step-budget-w", type=float, default=220.0, help="budget_step's lower budget")
+    ap.add_argument(
+        "--low-budget-w",
+        type=float,
+        default=180.0,
+        help="budget_step_low's lower budget (below the device's 200 W minimum limit)",
+    )
+    ap.add_argument("--ttft-slo-ms", type=float, default=2000.0)
+    # CPU-scale SLOs: the uncontrolled engine meets them at 80 % of its saturated throughput.
+    ap.add_argument("--tpot-slo-ms", type=float, default=400.0)
+    ap.add_argument("--max-ppl-increase-pct", type=float, default=2.0)
+
+
+def policy_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Policy:
+    """The AUTO-mode policy add_policy_args' arguments give; one Policy refuses is an
+    argparse error (exit 2), not a traceback."""
+    try:
+        return Policy(
+            power_budget_w=args.budget_w,
+            ttft_slo_ms=args.ttft_slo_ms,
+            tpot_slo_ms=args.tpot_slo_ms,
+            mode=ControlMode.AUTO,
+            max_ppl_increase_pct=args.max_ppl_increase_pct,
+        )
+    except ValueError as e:
+        ap.error(str(e))
+
+
 def int_list(text: str) -> tuple[int, ...]:
     """A comma list of integers, for argparse."""
     try:
@@ -200,18 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--start-level", default=None, help="level the engine starts at (default: full precision)"
     )
-    ap.add_argument("--budget-w", type=float, default=300.0)
-    ap.add_argument("--step-budget-w", type=float, default=220.0, help="budget_step's lower budget")
-    ap.add_argument(
-        "--low-budget-w",
-        type=float,
-        default=180.0,
-        help="budget_step_low's lower budget (below the device's 200 W minimum limit)",
-    )
-    ap.add_argument("--ttft-slo-ms", type=float, default=2000.0)
-    # CPU-scale SLOs: the uncontrolled engine meets them at 80 % of its saturated throughput.
-    ap.add_argument("--tpot-slo-ms", type=float, default=400.0)
-    ap.add_argument("--max-ppl-increase-pct", type=float, default=2.0)
+    add_policy_args(ap)
     ap.add_argument(
         "--capacity-s", type=float, default=40.0, help="real engine: capacity measurement time"
     )
@@ -233,18 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("docs"))
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
+    policy = policy_from_args(ap, args)
 
     cal, cal_facts = load_or_calibrate(args)
     start = args.start_level or cal.full_precision
     levels = tuple(lv for lv in args.levels if lv in cal.levels)
     mix = RequestMix()
-    policy = Policy(
-        power_budget_w=args.budget_w,
-        ttft_slo_ms=args.ttft_slo_ms,
-        tpot_slo_ms=args.tpot_slo_ms,
-        mode=ControlMode.AUTO,
-        max_ppl_increase_pct=args.max_ppl_increase_pct,
-    )
     loaded = None
     speeds: dict[str, dict[str, float]] | None = None
     if args.engine == "real":

@@ -29,12 +29,13 @@ import time
 from bench.control import (
     DEFAULT_LEVELS,
     add_calibration_args,
+    add_policy_args,
     float_list,
     int_list,
     load_or_calibrate,
+    policy_from_args,
 )
 from bench.control_systems import run_model
-from controller.policy import ControlMode, Policy
 from daemon.device.virtual import VirtualGpuParams
 from daemon.sim.metrics import summarize
 from daemon.sim.oracle import Axis, SearchSpace, default_space, scenario_evaluator, search
@@ -81,26 +82,19 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="decode pacing intervals besides 0 (default: every 25 ms up to 1000)",
     )
-    ap.add_argument("--budget-w", type=float, default=300.0)
-    ap.add_argument("--ttft-slo-ms", type=float, default=2000.0)
-    ap.add_argument("--tpot-slo-ms", type=float, default=400.0)
-    ap.add_argument("--max-ppl-increase-pct", type=float, default=2.0)
+    add_policy_args(ap)
     add_calibration_args(ap)
     args = ap.parse_args(argv)
+    policy = policy_from_args(ap, args)
 
     cal, _ = load_or_calibrate(args)
     start = cal.full_precision
     levels = tuple(lv for lv in args.levels if lv in cal.levels)
     mix = RequestMix()
-    policy = Policy(
-        power_budget_w=args.budget_w,
-        ttft_slo_ms=args.ttft_slo_ms,
-        tpot_slo_ms=args.tpot_slo_ms,
-        mode=ControlMode.AUTO,
-        max_ppl_increase_pct=args.max_ppl_increase_pct,
-    )
     capacity = measure_capacity(cal, start, mix)
-    scenario = make_scenarios(args.duration_s, args.budget_w, 220.0, 180.0)[args.scenario]
+    scenario = make_scenarios(
+        args.duration_s, args.budget_w, args.step_budget_w, args.low_budget_w
+    )[args.scenario]
 
     def run(system: str) -> dict:
         res = run_model(scenario, system, cal, capacity, mix, policy, levels, start)

@@ -24,8 +24,14 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from bench.control import add_calibration_args, float_list, load_or_calibrate, shift_seeds
-from controller.policy import ControlMode, Policy
+from bench.control import (
+    add_calibration_args,
+    add_policy_args,
+    float_list,
+    load_or_calibrate,
+    policy_from_args,
+    shift_seeds,
+)
 from daemon.sim.metrics import summarize
 from daemon.sim.oracle import StaticSetting, run_static
 from daemon.sim.run import RunResult, measure_capacity
@@ -153,15 +159,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-s", type=float, default=30.0)
     ap.add_argument("--gap-pct", type=float, default=1.5, help="the J/token gap to resolve")
     ap.add_argument("--duration-s", type=float, default=300.0)
+    add_policy_args(ap)
     add_calibration_args(ap)
     args = ap.parse_args(argv)
+    policy = policy_from_args(ap, args)
     if not all(w > 0 for w in args.windows_s):
         ap.error(f"--windows-s: every window must be > 0 s, got {args.windows_s}")
     if not args.gap_pct > 0:
         ap.error(f"--gap-pct must be > 0, got {args.gap_pct:g}")
     if not 0 <= args.warmup_s < args.duration_s:
         ap.error("--warmup-s must be >= 0 and shorter than --duration-s")
-    scenarios = shift_seeds(make_scenarios(args.duration_s, 300.0, 220.0, 180.0), args.seed_offset)
+    scenarios = shift_seeds(
+        make_scenarios(args.duration_s, args.budget_w, args.step_budget_w, args.low_budget_w),
+        args.seed_offset,
+    )
     if args.scenario not in scenarios:
         ap.error(f"--scenario: one of {', '.join(scenarios)}, got {args.scenario!r}")
     scenario = scenarios[args.scenario]
@@ -170,13 +181,6 @@ def main(argv: list[str] | None = None) -> int:
     cal, _ = load_or_calibrate(args)
     start = cal.full_precision
     mix = RequestMix()
-    policy = Policy(
-        power_budget_w=300.0,
-        ttft_slo_ms=2000.0,
-        tpot_slo_ms=400.0,
-        mode=ControlMode.AUTO,
-        max_ppl_increase_pct=2.0,
-    )
     capacity = measure_capacity(cal, start, mix)
     res = run_static(scenario, args.setting, cal, capacity, mix, policy, start)
     summary = summarize(res, policy, scenario)

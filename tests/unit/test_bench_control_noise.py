@@ -78,6 +78,7 @@ def test_windows_needed_for_a_gap_two_standard_errors_clear():
         (["--warmup-s", "400"], "shorter than --duration-s"),
         (["--scenario", "nope"], "one of steady30"),
         (["--setting", "bf16:435"], "not level:clock:seqs:tokens:interval"),
+        (["--budget-w", "0"], "power_budget_w must be a finite number > 0"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_runs(argv, says, capsys):
