@@ -114,9 +114,15 @@ def calibration_facts(path: Path, source: str, cal: Calibration) -> dict[str, An
     """Everything of the calibration that can change the figures, for the JSON line."""
     import hashlib
 
+    # The committed calibration is named relative to this package, so moving the package
+    # (or installing it elsewhere) does not change the JSON line.
+    if source == "committed":
+        shown = path.relative_to(COMMITTED_CALIBRATIONS.parent).as_posix()
+    else:
+        shown = str(path)
     return {
         "source": source,
-        "path": str(path),
+        "path": shown,
         "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
         "measured_at": cal.measured_at,
         "levels": {
