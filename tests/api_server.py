@@ -1,6 +1,6 @@
 """Run a real wattserve Daemon (uvicorn on a random loopback port) in a thread, for tests.
 
-The daemon is the one `wattserve serve` runs, through bench.serve.in_process_daemon (no
+The daemon is the one `wattserve serve` runs, through wattserve.bench.serve.in_process_daemon (no
 signal handlers: those only work on the main thread), with the engine built from an
 already loaded test model. Leaving the context drains and stops it, and raises unless it
 exited 0 (or expect_exit_code).
@@ -13,11 +13,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from bench.serve import in_process_daemon
-from daemon.config import Config, load_config
-from daemon.engine.engine import Engine, EngineOptions
-from daemon.engine.loader import LoadedModel
-from daemon.server import Daemon
+from wattserve.bench.serve import in_process_daemon
+from wattserve.daemon.config import Config, load_config
+from wattserve.daemon.engine.engine import Engine, EngineOptions
+from wattserve.daemon.engine.loader import LoadedModel
+from wattserve.daemon.server import Daemon
 
 START_TIMEOUT_S = 60.0
 

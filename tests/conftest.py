@@ -47,14 +47,14 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_dirs, cache_dir):
-    from daemon.engine.loader import load_model
+    from wattserve.daemon.engine.loader import load_model
 
     return load_model(str(tiny_dirs["llama"]), cache_dir)
 
 
 @pytest.fixture(scope="session")
 def real_model(cache_dir):
-    from daemon.engine.loader import load_model
+    from wattserve.daemon.engine.loader import load_model
 
     return load_model("embedded", cache_dir)
 

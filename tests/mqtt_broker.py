@@ -24,7 +24,7 @@ from typing import Any
 import aiomqtt
 import pytest
 
-from daemon.mqtt import StatusPayload
+from wattserve.daemon.mqtt import StatusPayload
 
 REPO = Path(__file__).resolve().parents[1]
 # The ACL docs/mqtt.md documents; the auth broker runs on this very file.

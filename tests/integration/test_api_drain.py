@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from daemon.api.state import Phase
 from tests.api_server import api_config, running_server
+from wattserve.daemon.api.state import Phase
 
 STEP_SLEEP_S = 0.02
 START_TIMEOUT_S = 90.0
@@ -70,7 +70,7 @@ def _serve(tmp_path: Path, model_dir: Path, cache_dir: Path, drain_timeout_s: fl
     env = {k: v for k, v in os.environ.items() if not k.startswith("WATTSERVE_")}
     env.update(WATTSERVE_CACHE=str(cache_dir), WATTSERVE_CONFIG=str(config))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "daemon.cli", "serve"],
+        [sys.executable, "-m", "wattserve.daemon.cli", "serve"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

@@ -212,8 +212,8 @@ def test_echo_returns_prompt_logprobs(oai, tiny_llama) -> None:
 
 
 def test_prompt_logprobs_survive_chunked_prefill_and_batching(tiny_llama) -> None:
-    from daemon.engine.engine import Engine, EngineOptions
-    from daemon.engine.request import SamplingParams
+    from wattserve.daemon.engine.engine import Engine, EngineOptions
+    from wattserve.daemon.engine.request import SamplingParams
 
     engine = Engine(
         tiny_llama,

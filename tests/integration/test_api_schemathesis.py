@@ -22,10 +22,10 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from daemon.api.app import create_app
-from daemon.api.state import ServingState
-from daemon.config import load_config
 from tests.api_server import api_config, running_server
+from wattserve.daemon.api.app import create_app
+from wattserve.daemon.api.state import ServingState
+from wattserve.daemon.config import load_config
 
 TOKEN = "schemathesis-token"
 MAX_EXAMPLES = 25

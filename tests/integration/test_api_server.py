@@ -17,10 +17,10 @@ import httpx
 import openai
 import pytest
 
-from daemon.engine.engine import Engine, EngineOptions
-from daemon.engine.loader import LoadError
-from daemon.server import Daemon, bind_socket
 from tests.api_server import api_config, running_server
+from wattserve.daemon.engine.engine import Engine, EngineOptions
+from wattserve.daemon.engine.loader import LoadError
+from wattserve.daemon.server import Daemon, bind_socket
 
 TOKEN = "test-token-123"
 MAX_BODY_BYTES = 64 * 1024

@@ -80,7 +80,7 @@ TOOL_TEMPLATE = (
 @pytest.fixture(scope="module")
 def tiny_long(tmp_path_factory, cache_dir):
     """The tiny model with room for tool lists (its byte-level tokenizer is ~1 char/token)."""
-    from daemon.engine.loader import load_model
+    from wattserve.daemon.engine.loader import load_model
 
     path = make_tiny_model_dir(tmp_path_factory.mktemp("long") / "llama", max_positions=4096)
     return load_model(str(path), cache_dir)

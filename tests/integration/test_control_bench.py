@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.control_systems import make_system
-from daemon.cli import main as cli_main
-from daemon.sim.calibration import Calibration, LevelFit
-from daemon.sim.engine_model import SimRequest, SimulatedEngine
+from wattserve.bench.control_systems import make_system
+from wattserve.daemon.cli import main as cli_main
+from wattserve.sim.calibration import Calibration, LevelFit
+from wattserve.sim.engine_model import SimRequest, SimulatedEngine
 
 
 def _calibration() -> Calibration:
@@ -124,7 +124,7 @@ def test_bench_control_seed_offset_moves_every_seed_and_the_draws(tmp_path, caps
 
 
 def test_bench_control_uses_the_committed_calibration_unless_told_otherwise(tmp_path):
-    from bench.control import committed_calibration_path, load_or_calibrate
+    from wattserve.bench.control import committed_calibration_path, load_or_calibrate
 
     args = SimpleNamespace(
         model="embedded",
@@ -147,8 +147,8 @@ def test_bench_control_uses_the_committed_calibration_unless_told_otherwise(tmp_
 
 
 def _engine_model(tmp_path):
-    from daemon.config import DeviceConfig
-    from daemon.device import SimClock, open_device
+    from wattserve.daemon.config import DeviceConfig
+    from wattserve.daemon.device import SimClock, open_device
 
     clock = SimClock(0.0)
     device = open_device(
@@ -261,7 +261,7 @@ def test_bench_control_noise_reports_each_window_length(tmp_path, capsys):
 
 
 def test_a_fixed_system_name_with_one_study_field_is_refused_by_name():
-    from controller.policy import Policy
+    from wattserve.controller.policy import Policy
 
     policy = Policy(power_budget_w=300.0, ttft_slo_ms=2000.0, tpot_slo_ms=400.0)
     with pytest.raises(ValueError, match="decode-only MHz"):
@@ -275,8 +275,8 @@ def test_the_oracle_on_a_tiny_scenario_finds_the_exhaustive_best_and_beats_one_k
     away from the uncontrolled engine's does better."""
     import itertools
 
-    from controller.policy import ControlMode, Policy
-    from daemon.sim.oracle import (
+    from wattserve.controller.policy import ControlMode, Policy
+    from wattserve.sim.oracle import (
         Axis,
         SearchSpace,
         StaticSetting,
@@ -284,8 +284,8 @@ def test_the_oracle_on_a_tiny_scenario_finds_the_exhaustive_best_and_beats_one_k
         scenario_evaluator,
         search,
     )
-    from daemon.sim.run import measure_capacity
-    from daemon.sim.scenarios import RequestMix, Scenario
+    from wattserve.sim.run import measure_capacity
+    from wattserve.sim.scenarios import RequestMix, Scenario
 
     cal, mix = _calibration(), RequestMix()
     capacity = measure_capacity(cal, "fp32", mix, seconds=30.0)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import math
 
-from bench.control_real import measure_level_speeds_real
-from bench.control_systems import make_system
-from controller.policy import ControlMode, Policy
 from tests.integration.test_control_bench import _calibration, _engine_model
+from wattserve.bench.control_real import measure_level_speeds_real
+from wattserve.bench.control_systems import make_system
+from wattserve.controller.policy import ControlMode, Policy
 
 
 def test_level_speeds_are_measured_on_the_real_engine(tiny_llama):
@@ -46,7 +46,7 @@ def test_the_controller_ranks_levels_by_the_table_it_is_given(tmp_path):
 def test_prefill_speed_is_measured_on_computed_tokens(tiny_llama, monkeypatch):
     # Each level's prefill is timed twice on one prompt: a prefix cache would serve the
     # second from its blocks and the speed would read as the cache's, not the level's.
-    import bench.control_real as control_real
+    import wattserve.bench.control_real as control_real
 
     engines = []
     make = control_real._real_engine

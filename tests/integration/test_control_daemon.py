@@ -19,8 +19,8 @@ import time
 
 import httpx
 
-from daemon.config import load_config
 from tests.api_server import running_server
+from wattserve.daemon.config import load_config
 
 TOKEN = "control-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -7,9 +7,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from daemon.config import ConfigError, load_config
-from daemon.engine.scheduler import DECODE_INTERVAL_MAX_MS, EngineLimits
 from tests.api_server import api_config, running_server
+from wattserve.daemon.config import ConfigError, load_config
+from wattserve.daemon.engine.scheduler import DECODE_INTERVAL_MAX_MS, EngineLimits
 
 TOKEN = "knobs-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

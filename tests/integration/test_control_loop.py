@@ -10,12 +10,12 @@ from __future__ import annotations
 import threading
 import time
 
-from daemon.config import ControllerConfig, DeviceConfig
-from daemon.control_loop import ControlLoop
-from daemon.coupling import device_step_hook
-from daemon.device import open_device
-from daemon.engine.engine import Engine, EngineOptions
-from daemon.engine.request import SamplingParams
+from wattserve.daemon.config import ControllerConfig, DeviceConfig
+from wattserve.daemon.control_loop import ControlLoop
+from wattserve.daemon.coupling import device_step_hook
+from wattserve.daemon.device import open_device
+from wattserve.daemon.engine.engine import Engine, EngineOptions
+from wattserve.daemon.engine.request import SamplingParams
 
 
 def _window_power_w(device, seconds: float) -> float:

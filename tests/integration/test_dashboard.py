@@ -25,13 +25,13 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from daemon.api.app import create_app
-from daemon.api.dashboard import EnergyCounter, load_assets
-from daemon.api.state import ServingState
-from daemon.config import Config, ControllerConfig, DeviceConfig, MqttConfig, load_config
-from daemon.mqtt.payloads import DeviceFigures, ServingFigures, TelemetryPayload
-from daemon.mqtt.window import TelemetryWindow
 from tests.api_server import RunningServer, api_config, running_server
+from wattserve.daemon.api.app import create_app
+from wattserve.daemon.api.dashboard import EnergyCounter, load_assets
+from wattserve.daemon.api.state import ServingState
+from wattserve.daemon.config import Config, ControllerConfig, DeviceConfig, MqttConfig, load_config
+from wattserve.daemon.mqtt.payloads import DeviceFigures, ServingFigures, TelemetryPayload
+from wattserve.daemon.mqtt.window import TelemetryWindow
 
 TOKEN = "dashboard-test-token"
 CHROMIUM = Path("/usr/bin/chromium")
@@ -387,8 +387,8 @@ def publish_grant(port: int, payload: bytes) -> None:
 
 
 def test_dashboard_shows_the_fleet_grant_and_lease(broker, tiny_llama, browser, tmp_path):
-    from daemon.config import FleetConfig
-    from daemon.mqtt.payloads import GrantPayload
+    from wattserve.daemon.config import FleetConfig
+    from wattserve.daemon.mqtt.payloads import GrantPayload
 
     cfg = dashboard_config(tmp_path / "device-state").model_copy(
         update={

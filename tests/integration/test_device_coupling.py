@@ -6,12 +6,12 @@ import csv
 import json
 from pathlib import Path
 
-from bench import device_trace
-from daemon.config import DeviceConfig
-from daemon.coupling import device_step_hook, step_flops
-from daemon.device import open_device
-from daemon.engine.engine import Engine, EngineOptions
-from daemon.engine.request import SamplingParams
+from wattserve.bench import device_trace
+from wattserve.daemon.config import DeviceConfig
+from wattserve.daemon.coupling import device_step_hook, step_flops
+from wattserve.daemon.device import open_device
+from wattserve.daemon.engine.engine import Engine, EngineOptions
+from wattserve.daemon.engine.request import SamplingParams
 
 
 class RecordingDevice:

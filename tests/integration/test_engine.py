@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from daemon.engine import engine as engine_module
-from daemon.engine.engine import Engine, EngineOptions
-from daemon.engine.loader import load_model
-from daemon.engine.request import InvalidRequestError, RequestOutput, SamplingParams
-from daemon.engine.scheduler import DECODE_INTERVAL_MAX_MS
+from wattserve.daemon.engine import engine as engine_module
+from wattserve.daemon.engine.engine import Engine, EngineOptions
+from wattserve.daemon.engine.loader import load_model
+from wattserve.daemon.engine.request import InvalidRequestError, RequestOutput, SamplingParams
+from wattserve.daemon.engine.scheduler import DECODE_INTERVAL_MAX_MS
 
 DEVICE = torch.device("cpu")  # the engine is always given its device explicitly
 

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.engine import engine as engine_module
-from daemon.engine.engine import Engine
-from daemon.engine.request import RequestOutput, SamplingParams
 from tests.integration.test_engine import (
     GREEDY,
     engine_with_blocks,
@@ -21,6 +18,9 @@ from tests.integration.test_engine import (
     prompts_for,
     recording,
 )
+from wattserve.daemon.engine import engine as engine_module
+from wattserve.daemon.engine.engine import Engine
+from wattserve.daemon.engine.request import RequestOutput, SamplingParams
 
 PROMPT = [7, 8, 9, 10]
 LONG = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)

@@ -18,13 +18,13 @@ import time
 
 import httpx
 
-from daemon.api.state import Phase
-from daemon.device.protocol import StateFileError
-from daemon.device.state import StateFile
-from daemon.mqtt import Topics
-from daemon.server import EXIT_ENGINE_FAULT
 from tests.api_server import api_config, running_server
 from tests.mqtt_broker import Recorder, is_status, run
+from wattserve.daemon.api.state import Phase
+from wattserve.daemon.device.protocol import StateFileError
+from wattserve.daemon.device.state import StateFile
+from wattserve.daemon.mqtt import Topics
+from wattserve.daemon.server import EXIT_ENGINE_FAULT
 
 WAIT_S = 30.0
 

@@ -13,11 +13,11 @@ import time
 import aiomqtt
 import httpx
 
-from daemon.fleet_service import FleetService, FleetServiceConfig
-from daemon.mqtt.payloads import GrantPayload
-from fleet.leader import Role
 from tests.integration.test_mqtt_daemon import daemon_config, serving
 from tests.mqtt_broker import Recorder, run, wait_until
+from wattserve.daemon.mqtt.payloads import GrantPayload
+from wattserve.fleet.leader import Role
+from wattserve.fleet.service import FleetService, FleetServiceConfig
 
 BUDGET_W = 900.0
 SAFE_FLOOR_W = 250.0

@@ -17,12 +17,17 @@ import aiomqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from daemon.config import FleetConfig, MqttConfig
-from daemon.fleet_node import FleetNodeLink
-from daemon.fleet_service import FleetService, FleetServiceConfig
-from daemon.mqtt.payloads import DeviceFigures, GrantPayload, LatencyFigures, TelemetryPayload
-from fleet.leader import Role
 from tests.mqtt_broker import Broker, run, wait_until
+from wattserve.daemon.config import FleetConfig, MqttConfig
+from wattserve.daemon.mqtt.payloads import (
+    DeviceFigures,
+    GrantPayload,
+    LatencyFigures,
+    TelemetryPayload,
+)
+from wattserve.fleet.leader import Role
+from wattserve.fleet.node import FleetNodeLink
+from wattserve.fleet.service import FleetService, FleetServiceConfig
 
 SAFE_FLOOR_W = 150.0
 BUDGET_W = 900.0

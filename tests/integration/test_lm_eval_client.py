@@ -1,7 +1,7 @@
 """lm-evaluation-harness as a real client of the completions API (`local-completions`).
 
 A small multiple-choice task is built from the licence text the Python installation
-ships as `wattserve bench quant`'s example is (bench.quant_accuracy.licence_items): each
+ships as `wattserve bench quant`'s example is (wattserve.bench.quant_accuracy.licence_items): each
 item is the start of a sentence, its true next words and three spans from other
 sentences. lm-eval's own LocalCompletionsAPI scores every (context, choice) pair
 through /v1/completions (token-id prompts, echo, logprobs) with the served model's
@@ -18,9 +18,9 @@ import json
 import pytest
 import torch
 
-from bench.quant import eval_text_file
-from bench.quant_accuracy import licence_items
 from tests.api_server import api_config, running_server
+from wattserve.bench.quant import eval_text_file
+from wattserve.bench.quant_accuracy import licence_items
 
 ITEMS = 8
 CONTEXT_WORDS = 8

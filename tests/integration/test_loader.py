@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from daemon.engine.engine import Engine, EngineOptions
-from daemon.engine.loader import LoadError, load_model
-from daemon.engine.request import SamplingParams
 from tests.integration.test_engine import hf_greedy
+from wattserve.daemon.engine.engine import Engine, EngineOptions
+from wattserve.daemon.engine.loader import LoadError, load_model
+from wattserve.daemon.engine.request import SamplingParams
 
 
 def test_hf_directory_loads_with_chat_template(tiny_dirs, cache_dir):
@@ -76,7 +76,8 @@ def test_missing_weights_and_bad_gguf(tiny_dirs, cache_dir, tmp_path):
 
 def test_cli_reports_one_line_and_nonzero_exit(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "daemon.cli", "generate", "hi", "--model", str(tmp_path / "x")],
+        [sys.executable, "-m", "wattserve.daemon.cli", "generate", "hi", "--model",
+         str(tmp_path / "x")],
         capture_output=True,
         text=True,
         timeout=120,

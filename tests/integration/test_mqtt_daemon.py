@@ -4,7 +4,7 @@ A real Daemon (uvicorn on loopback, a tiny random Llama, the virtual GPU, the co
 in auto mode) publishes to a private broker (tests/mqtt_broker.py, fixtures in
 tests/conftest.py); a plain aiomqtt subscriber checks what arrives against the pydantic
 payload models, and HTTP shows what `policy/set` changed. The Last Will and SIGTERM
-tests run `python -m daemon.cli serve` as a child process. Every wait is on a condition
+tests run `python -m wattserve.daemon.cli serve` as a child process. Every wait is on a condition
 with a bounded timeout; nothing is timed.
 """
 
@@ -26,10 +26,6 @@ import aiomqtt
 import httpx
 import pytest
 
-from controller.schema import to_model
-from daemon.config import Config, ConfigError
-from daemon.mqtt import EventPayload, StatusPayload, TelemetryPayload, Topics
-from daemon.server import Daemon
 from tests.api_server import RunningServer, api_config, running_server
 from tests.mqtt_broker import (
     REPO,
@@ -42,6 +38,10 @@ from tests.mqtt_broker import (
     run,
     wait_until,
 )
+from wattserve.controller.schema import to_model
+from wattserve.daemon.config import Config, ConfigError
+from wattserve.daemon.mqtt import EventPayload, StatusPayload, TelemetryPayload, Topics
+from wattserve.daemon.server import Daemon
 
 TOKEN = "mqtt-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -472,7 +472,8 @@ def test_unreadable_password_file_stops_the_start(tmp_path):
 
 
 class ServeProcess:
-    """`python -m daemon.cli serve` with a TOML config: the tiny model, virtual GPU, MQTT."""
+    """`python -m wattserve.daemon.cli serve` with a TOML config: the tiny model, virtual
+    GPU, MQTT."""
 
     def __init__(
         self, tmp_path: Path, model_dir: Path, cache_dir: Path, broker: Broker, node: str
@@ -489,7 +490,7 @@ class ServeProcess:
         self.log = tmp_path / "serve.log"
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "daemon.cli", "serve"],
+                [sys.executable, "-m", "wattserve.daemon.cli", "serve"],
                 env=env,
                 cwd=REPO,
                 stdout=subprocess.DEVNULL,

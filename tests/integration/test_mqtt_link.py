@@ -26,17 +26,6 @@ import aiomqtt
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from daemon.config import MqttConfig
-from daemon.mqtt import (
-    DeviceFigures,
-    DeviceSummary,
-    EventPayload,
-    MqttLink,
-    ServingFigures,
-    StatusPayload,
-    TelemetryPayload,
-)
-from daemon.mqtt.payloads import HA_SENSORS
 from tests.mqtt_broker import (
     REPO,
     USERS,
@@ -49,6 +38,17 @@ from tests.mqtt_broker import (
     run,
     wait_until,
 )
+from wattserve.daemon.config import MqttConfig
+from wattserve.daemon.mqtt import (
+    DeviceFigures,
+    DeviceSummary,
+    EventPayload,
+    MqttLink,
+    ServingFigures,
+    StatusPayload,
+    TelemetryPayload,
+)
+from wattserve.daemon.mqtt.payloads import HA_SENSORS
 
 # Brokers come from the fixtures in tests/conftest.py (broker, own_broker, auth_broker).
 
@@ -417,8 +417,8 @@ def test_broker_absent_at_start_one_log_line_then_connects(own_broker, caplog) -
 
 CHILD = """
 import asyncio, signal, sys
-from daemon.config import MqttConfig
-from daemon.mqtt import EventPayload, MqttLink
+from wattserve.daemon.config import MqttConfig
+from wattserve.daemon.mqtt import EventPayload, MqttLink
 
 async def main() -> None:
     link = MqttLink(MqttConfig.model_validate_json(sys.argv[1]))

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import random
 
-from daemon.engine.engine import Engine
-from daemon.engine.request import RequestOutput, SamplingParams
 from tests.integration.test_engine import engine_with_blocks
+from wattserve.daemon.engine.engine import Engine
+from wattserve.daemon.engine.request import RequestOutput, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -80,7 +80,7 @@ def test_tight_pool_preemption_and_abort_free_every_reference(tiny_llama):
 
 
 def test_bench_prefix_prints_both_modes_in_one_json_line(tiny_dirs, tmp_path, monkeypatch, capsys):
-    from daemon.cli import main
+    from wattserve.daemon.cli import main
 
     monkeypatch.setenv("WATTSERVE_CACHE", str(tmp_path))
     argv = ["bench", "prefix", "--model", str(tiny_dirs["llama"]), "--requests", "6"]

@@ -10,12 +10,12 @@ import json
 import pytest
 import torch
 
-from bench.quant import sequence_logits
-from bench.quant_accuracy import EXAMPLE_PROMPTS_FILE, read_prompts_file
-from daemon.cli import main
-from daemon.engine.engine import Engine, EngineOptions
-from daemon.engine.request import SamplingParams
 from tests.integration.test_engine import block_bytes
+from wattserve.bench.quant import sequence_logits
+from wattserve.bench.quant_accuracy import EXAMPLE_PROMPTS_FILE, read_prompts_file
+from wattserve.daemon.cli import main
+from wattserve.daemon.engine.engine import Engine, EngineOptions
+from wattserve.daemon.engine.request import SamplingParams
 
 ITEMS = 8
 LEVELS = ("fp32", "int8")

@@ -8,11 +8,11 @@ import math
 
 import torch
 
-from bench.quant import perplexity
-from daemon.cli import main
-from daemon.engine.engine import Engine, EngineOptions
-from daemon.quant_table import load_quality_table, quality_table_path
 from tests.integration.test_engine import block_bytes
+from wattserve.bench.quant import perplexity
+from wattserve.daemon.cli import main
+from wattserve.daemon.engine.engine import Engine, EngineOptions
+from wattserve.daemon.quant_table import load_quality_table, quality_table_path
 
 
 def test_perplexity_matches_transformers_loss(tiny_llama):

@@ -10,13 +10,13 @@ import threading
 import pytest
 import torch
 
-from bench.quant import sequence_logits
-from daemon.engine.engine import Engine
-from daemon.engine.loader import load_model
-from daemon.engine.request import RequestOutput, SamplingParams
 from tests.integration.test_engine import engine_with_blocks, prompts_for
-from wattserve_kernels.int_linear import int_linear_available
-from wattserve_kernels.quant import QuantLevelError
+from wattserve.bench.quant import sequence_logits
+from wattserve.daemon.engine.engine import Engine
+from wattserve.daemon.engine.loader import load_model
+from wattserve.daemon.engine.request import RequestOutput, SamplingParams
+from wattserve.kernels.int_linear import int_linear_available
+from wattserve.kernels.quant import QuantLevelError
 
 QUANT_LEVELS = ("int8", "int4", "int4-g128")
 ALL_LEVELS = ("fp32", "bf16") + QUANT_LEVELS
@@ -207,7 +207,7 @@ def test_disallowed_unknown_and_unavailable_levels_are_rejected(tiny_llama):
 
 
 def test_start_level_prepare_modes_and_reported_memory(tiny_llama, caplog):
-    with caplog.at_level(logging.INFO, logger="daemon.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="wattserve.daemon.engine.engine"):
         lazy = make_engine(tiny_llama, quantization_level="int4")
     assert "int8" in caplog.text and "not built yet" in caplog.text
     status = lazy.quant_status()

@@ -9,8 +9,12 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from daemon.quant_table import QUALITY_TABLE_VERSION, quality_table_path, save_quality_table
 from tests.api_server import api_config, running_server
+from wattserve.daemon.quant_table import (
+    QUALITY_TABLE_VERSION,
+    quality_table_path,
+    save_quality_table,
+)
 
 
 def _table(full_precision: str) -> dict:

@@ -1,8 +1,8 @@
-"""systemd/config.example.toml documents every key of daemon/config.py with its default.
+"""systemd/config.example.toml documents every key of wattserve/daemon/config.py with its default.
 
 The example lists each key as a commented-out `# key = VALUE` line under its section;
 a key whose default is None is written `# key = EXAMPLE  # default: unset`. Checked from
-the pydantic models, so a key added to daemon/config.py fails here until it is documented.
+the pydantic models, so a key added to wattserve/daemon/config.py fails here until it is documented.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from daemon.config import Config, load_config
+from wattserve.daemon.config import Config, load_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "systemd" / "config.example.toml"
 _SECTION = re.compile(r"^\[([a-z_]+)\]\s*$")
@@ -67,7 +67,7 @@ def _toml(value: Any) -> str:
 
 def test_every_config_key_is_documented_with_its_default() -> None:
     example, defaults = _example(), _defaults()
-    assert list(example) == list(defaults), "sections differ from daemon/config.py's Config"
+    assert list(example) == list(defaults), "sections differ from config.py's Config"
     missing = [
         f"[{s}] # {k} = {_toml(v)}" if v is not None else f"[{s}] # {k} = ...  # default: unset"
         for s, keys in defaults.items()
@@ -76,7 +76,7 @@ def test_every_config_key_is_documented_with_its_default() -> None:
     ]
     assert not missing, "keys missing from systemd/config.example.toml:\n" + "\n".join(missing)
     unknown = [f"{s}.{k}" for s, keys in example.items() for k in keys if k not in defaults[s]]
-    assert not unknown, f"keys in the example that daemon/config.py does not have: {unknown}"
+    assert not unknown, f"keys in the example that config.py does not have: {unknown}"
     wrong = []
     for s, keys in defaults.items():
         for k, default in keys.items():

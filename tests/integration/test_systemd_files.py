@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.cli import main
+from wattserve.daemon.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 SYSTEMD_DIR = REPO / "systemd"
@@ -62,7 +62,7 @@ def analyzable_root(tmp_path: Path, control: bool) -> Path:
     # verify checks that ExecStart= is executable; a launcher of this checkout's daemon.
     exe = root / "opt/wattserve/bin/wattserve"
     exe.parent.mkdir(parents=True)
-    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m daemon.cli "$@"\n')
+    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m wattserve.daemon.cli "$@"\n')
     exe.chmod(0o755)
     return root
 
@@ -298,7 +298,7 @@ def _bytes(value: str) -> int:
 
 
 def test_unit_limits_fit_the_server_limits() -> None:
-    from daemon.config import ServerConfig
+    from wattserve.daemon.config import ServerConfig
 
     server = ServerConfig()
     unit = _unit_settings(SYSTEMD_DIR / "wattserve.service")
@@ -331,7 +331,7 @@ def test_fleet_unit_verifies_clean_and_is_tightly_sandboxed(tmp_path) -> None:
 
 
 def test_fleet_example_config_loads_and_its_floors_fit(tmp_path) -> None:
-    from daemon.fleet_service import load_fleet_config
+    from wattserve.fleet.service import load_fleet_config
 
     root = tmp_path / "root"
     root.mkdir()

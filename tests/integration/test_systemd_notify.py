@@ -5,7 +5,7 @@ READY=1 only once /ready answers 200 (after the warm-up), STATUS= and WATCHDOG=1
 serves, STOPPING=1 on SIGTERM, then exit 0. In process: freezing the engine loop (a step
 hook that blocks, with a request pending) stops WATCHDOG=1 within one ping interval, and
 the pings resume when the loop runs again.
-These tests run once daemon/server.py uses daemon.sdnotify; until then they skip.
+These tests run once wattserve/daemon/server.py uses sdnotify; until then they skip.
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ START_TIMEOUT_S = 90.0
 
 
 def _server_uses_sdnotify() -> bool:
-    server = REPO / "daemon" / "server.py"
+    server = REPO / "wattserve" / "daemon" / "server.py"
     return server.exists() and "sdnotify" in server.read_text()
 
 
 pytestmark = pytest.mark.skipif(
     not _server_uses_sdnotify(),
-    reason="daemon/server.py does not use daemon.sdnotify yet (wiring: docs/systemd.md)",
+    reason="wattserve/daemon/server.py does not use sdnotify yet (wiring: docs/systemd.md)",
 )
 
 
@@ -60,7 +60,7 @@ def test_serve_notifies_loading_ready_status_watchdog_and_stopping(
             NOTIFY_SOCKET=notify.address, WATCHDOG_USEC="1000000",  # a ping every 0.5 s
         )
         proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", "serve"], env=env, cwd=REPO,
+            [sys.executable, "-m", "wattserve.daemon.cli", "serve"], env=env, cwd=REPO,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )
         log: list[str] = []

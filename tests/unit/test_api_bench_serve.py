@@ -1,4 +1,5 @@
-"""bench/serve.py without servers: goodput, TPOT, determinism, the peer flags and JSON line."""
+"""wattserve/bench/serve.py without servers: goodput, TPOT, determinism, the peer flags and
+JSON line."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bench import serve, vllm_peer
-from bench.serve import (
+from wattserve.bench import serve, vllm_peer
+from wattserve.bench.serve import (
     RequestResult,
     _range,
     build_parser,

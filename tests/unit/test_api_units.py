@@ -8,13 +8,13 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from controller.schema import PolicyModel as Policy
-from daemon.api.app import create_app
-from daemon.api.errors import validation_error_response
-from daemon.api.middleware import host_without_port
-from daemon.api.schemas import ChatCompletionRequest, CompletionRequest, KnobsUpdate
-from daemon.api.state import Phase, ServingState, Unavailable, resolve_api_token
-from daemon.config import ConfigError, load_config
+from wattserve.controller.schema import PolicyModel as Policy
+from wattserve.daemon.api.app import create_app
+from wattserve.daemon.api.errors import validation_error_response
+from wattserve.daemon.api.middleware import host_without_port
+from wattserve.daemon.api.schemas import ChatCompletionRequest, CompletionRequest, KnobsUpdate
+from wattserve.daemon.api.state import Phase, ServingState, Unavailable, resolve_api_token
+from wattserve.daemon.config import ConfigError, load_config
 
 
 def _param_of(exc: ValidationError) -> str:
@@ -204,8 +204,8 @@ def test_loop_delivery_crosses_to_the_loop_once_per_step():
     import asyncio
     import threading
 
-    from daemon.api.generation import LoopDelivery
-    from daemon.engine.request import RequestOutput
+    from wattserve.daemon.api.generation import LoopDelivery
+    from wattserve.daemon.engine.request import RequestOutput
 
     loop = asyncio.new_event_loop()
     crossings = []

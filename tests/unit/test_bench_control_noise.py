@@ -1,10 +1,10 @@
-"""bench/control_noise.py: tokens and joules by window, and the spreads it reports."""
+"""wattserve/bench/control_noise.py: tokens and joules by window, and the spreads it reports."""
 
 import math
 
 import pytest
 
-from bench.control_noise import (
+from wattserve.bench.control_noise import (
     NORMALIZED_MIN_WINDOWS,
     energy_between,
     main,
@@ -12,7 +12,7 @@ from bench.control_noise import (
     window_spread,
     windows_needed,
 )
-from daemon.sim.run import Sample
+from wattserve.sim.run import Sample
 
 
 def test_tokens_are_spread_from_first_to_last_token():

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from bench.control_real import (
+from wattserve.bench.control_real import (
     attainment_interval,
     describe_targets,
     duration_for_requests,
     real_targets,
     wilson_interval,
 )
-from daemon.sim.scenarios import RequestMix, arrivals, make_scenarios
+from wattserve.sim.scenarios import RequestMix, arrivals, make_scenarios
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import gpu
-from daemon.cli import main as cli_main
+from wattserve.bench import gpu
+from wattserve.daemon.cli import main as cli_main
 
 
 def test_without_a_gpu_it_fails_loudly(capsys, monkeypatch):
@@ -101,8 +101,8 @@ def test_the_cpu_dry_run_goes_through_every_section(tmp_path, cache_dir, capsys,
 
 
 def test_the_prediction_prices_busy_and_idle_time_with_the_virtual_gpu_model():
-    from daemon.device.protocol import EngineActivity
-    from daemon.device.virtual import VirtualGpuParams, compute_fraction, power_w
+    from wattserve.daemon.device.protocol import EngineActivity
+    from wattserve.daemon.device.virtual import VirtualGpuParams, compute_fraction, power_w
 
     p = VirtualGpuParams()
     step = EngineActivity(step_duration_s=0.5, decode_tokens=8, weight_bytes_read=10**9, flops=4e12)

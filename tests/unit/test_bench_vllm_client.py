@@ -1,4 +1,4 @@
-"""bench/vllm_client.py without running vLLM: the dataset it writes, its command line, and
+"""wattserve/bench/vllm_client.py without running vLLM: the dataset it writes, its command line, and
 its result read into bench serve's summary keys."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import json
 import math
 from pathlib import Path
 
-from bench import serve
-from bench.serve import RequestSpec, summarize
-from bench.vllm_client import client_argv, summary_from_result, write_dataset
+from wattserve.bench import serve
+from wattserve.bench.serve import RequestSpec, summarize
+from wattserve.bench.vllm_client import client_argv, summary_from_result, write_dataset
 
 # The keys and shapes `vllm bench serve --save-result` writes (vLLM 0.32.0, with
 # --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --goodput ...).

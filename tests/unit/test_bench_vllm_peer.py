@@ -1,4 +1,5 @@
-"""bench/vllm_peer.py without installing vLLM: the plan, the requirements, the alias, failures."""
+"""wattserve/bench/vllm_peer.py without installing vLLM: the plan, the requirements, the
+alias, failures."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import vllm_peer
-from bench.vllm_peer import (
+from wattserve.bench import vllm_peer
+from wattserve.bench.vllm_peer import (
     PeerInstallError,
     ensure_installed,
     install_plan_head,

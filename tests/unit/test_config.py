@@ -7,8 +7,8 @@ import tomllib
 import pytest
 from pydantic import ValidationError
 
-from daemon.cli import main
-from daemon.config import ConfigError, load_config
+from wattserve.daemon.cli import main
+from wattserve.daemon.config import ConfigError, load_config
 
 pytestmark = pytest.mark.usefixtures("clean_wattserve_env")
 

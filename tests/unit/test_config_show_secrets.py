@@ -8,7 +8,7 @@ import tomllib
 import pytest
 from pydantic import BaseModel
 
-from daemon.cli import REDACTED, main, redact_secrets
+from wattserve.daemon.cli import REDACTED, main, redact_secrets
 
 SECRET = "s3cret-control-token"
 

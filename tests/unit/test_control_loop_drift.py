@@ -7,16 +7,16 @@ from __future__ import annotations
 import dataclasses
 from types import SimpleNamespace
 
-from controller.controller import Controller
-from controller.policy import ControlMode, Knobs, Policy
-from controller.signals import EngineConstraints
-from daemon.api.metrics import Metrics
-from daemon.config import DeviceConfig
-from daemon.control_loop import ControlLoop, device_constraints
-from daemon.device.factory import open_device
-from daemon.device.protocol import Telemetry
-from daemon.device.virtual import SimClock
 from tests.unit.test_controller_loop import FakeEngine
+from wattserve.controller.controller import Controller
+from wattserve.controller.policy import ControlMode, Knobs, Policy
+from wattserve.controller.signals import EngineConstraints
+from wattserve.daemon.api.metrics import Metrics
+from wattserve.daemon.config import DeviceConfig
+from wattserve.daemon.control_loop import ControlLoop, device_constraints
+from wattserve.daemon.device.factory import open_device
+from wattserve.daemon.device.protocol import Telemetry
+from wattserve.daemon.device.virtual import SimClock
 
 CLOCK_MHZ = 1200
 BUDGET_W = 400.0

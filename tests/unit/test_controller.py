@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from controller.controller import (
+from wattserve.controller.controller import (
     Controller,
     ControllerParams,
     ControllerState,
@@ -23,9 +23,9 @@ from controller.controller import (
     Reason,
     candidate_clocks,
 )
-from controller.policy import ControlMode, Knobs, Objective, Policy, QuantOption
-from controller.quant import Trial
-from controller.signals import (
+from wattserve.controller.policy import ControlMode, Knobs, Objective, Policy, QuantOption
+from wattserve.controller.quant import Trial
+from wattserve.controller.signals import (
     DeviceConstraints,
     EngineConstraints,
     EngineStats,
@@ -1093,7 +1093,7 @@ def _cpu_like_step_model(ctl: Controller) -> None:
     """A step model fitted on CPU-like steps: a large fixed cost per step (0.15 s), 2.3 ms
     per prompt token, 5 ms per decode token, at the top clock, prefill chunks of every
     size; installed as fp32's."""
-    from controller.models import StepTimeModel
+    from wattserve.controller.models import StepTimeModel
 
     model = StepTimeModel(1980)
     rng = random.Random(1)

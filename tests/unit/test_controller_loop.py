@@ -10,18 +10,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from controller.controller import Controller, ControllerState, Reason
-from controller.policy import ControlMode, Knobs, Policy
-from controller.schema import to_policy
-from controller.signals import DeviceConstraints, EngineConstraints
-from daemon.config import ControllerConfig, load_config
-from daemon.control_loop import (
+from wattserve.controller.controller import Controller, ControllerState, Reason
+from wattserve.controller.policy import ControlMode, Knobs, Policy
+from wattserve.controller.schema import to_policy
+from wattserve.controller.signals import DeviceConstraints, EngineConstraints
+from wattserve.daemon.config import ControllerConfig, load_config
+from wattserve.daemon.control_loop import (
     ControlLoop,
     controller_telemetry,
     device_constraints,
     quant_options,
 )
-from daemon.device.protocol import (
+from wattserve.daemon.device.protocol import (
     REASON_HW_POWER_BRAKE,
     REASON_HW_SLOWDOWN,
     REASON_HW_THERMAL,

@@ -8,7 +8,7 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from controller.models import (
+from wattserve.controller.models import (
     SURGE_WARMUP_TAUS,
     PowerModel,
     PowerSegment,
@@ -21,7 +21,7 @@ from controller.models import (
     poisson_tail,
     predict,
 )
-from controller.policy import (
+from wattserve.controller.policy import (
     ControlMode,
     Knobs,
     Objective,
@@ -29,8 +29,8 @@ from controller.policy import (
     QuantOption,
     allowed_quant_levels,
 )
-from controller.schema import PolicyModel, PolicyPatch, to_model, to_policy
-from controller.signals import DeviceConstraints, EngineConstraints, StepRecord
+from wattserve.controller.schema import PolicyModel, PolicyPatch, to_model, to_policy
+from wattserve.controller.signals import DeviceConstraints, EngineConstraints, StepRecord
 
 
 def test_rls_learns_a_noisy_linear_function_and_tracks_a_change():

@@ -10,15 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from daemon.engine.decode_buckets import (
+from tests.tiny_model import tiny_hf_llama
+from wattserve.daemon.engine.decode_buckets import (
     StaticDecodeInputs,
     batch_bucket,
     pad_decode_layout,
     width_bucket,
 )
-from daemon.engine.model import LlamaModel, StepLayout
-from daemon.engine.scheduler import ScheduledChunk, Sequence
-from tests.tiny_model import tiny_hf_llama
+from wattserve.daemon.engine.model import LlamaModel, StepLayout
+from wattserve.daemon.engine.scheduler import ScheduledChunk, Sequence
 
 
 def test_batch_bucket():

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from daemon.config import load_config
-from daemon.device.commands import device_info, device_reset
-from daemon.device.factory import open_device
-from daemon.device.virtual import SimClock
+from wattserve.daemon.config import load_config
+from wattserve.daemon.device.commands import device_info, device_reset
+from wattserve.daemon.device.factory import open_device
+from wattserve.daemon.device.virtual import SimClock
 
 STATE_NAME = "device-GPU-virtual-0.json"
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from daemon.config import DeviceConfig
-from daemon.device.factory import open_device
-from daemon.device.gate import ActuationGate
-from daemon.device.protocol import (
+from wattserve.daemon.config import DeviceConfig
+from wattserve.daemon.device.factory import open_device
+from wattserve.daemon.device.gate import ActuationGate
+from wattserve.daemon.device.protocol import (
     DeviceError,
     Knob,
     NvmlUnavailableError,
@@ -470,7 +470,7 @@ def _device_warnings(caplog) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name.startswith("daemon.device") and r.levelno >= logging.WARNING
+        if r.name.startswith("wattserve.daemon.device") and r.levelno >= logging.WARNING
     ]
 
 

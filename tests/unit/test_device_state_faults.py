@@ -14,12 +14,12 @@ import logging
 
 import pytest
 
-from daemon.config import load_config
-from daemon.device.commands import device_reset
-from daemon.device.factory import open_device
-from daemon.device.protocol import SetOutcome, StateFileError
-from daemon.device.state import StateFile
-from daemon.device.virtual import SimClock, VirtualGpu
+from wattserve.daemon.config import load_config
+from wattserve.daemon.device.commands import device_reset
+from wattserve.daemon.device.factory import open_device
+from wattserve.daemon.device.protocol import SetOutcome, StateFileError
+from wattserve.daemon.device.state import StateFile
+from wattserve.daemon.device.virtual import SimClock, VirtualGpu
 
 STATE_NAME = "device-GPU-virtual-0.json"
 
@@ -55,7 +55,7 @@ def test_close_restores_every_knob_when_the_state_file_cannot_be_written(
     device = changed_device(tmp_path)
     gpu = device.backend
     break_state_writes(monkeypatch)
-    with caplog.at_level(logging.ERROR, logger="daemon.device"):
+    with caplog.at_level(logging.ERROR, logger="wattserve.daemon.device"):
         result = device.close(restore=True)
     assert gpu.current_power_limit_w() == 700.0
     assert gpu.current_sm_clock_lock_mhz() is None

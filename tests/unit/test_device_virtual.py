@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-from daemon.device.gate import ActuationGate
-from daemon.device.managed import ManagedDevice
-from daemon.device.protocol import EngineActivity, SetOutcome, energy_between_j
-from daemon.device.sampler import TelemetrySampler, sampling_period_s
-from daemon.device.state import StateFile
-from daemon.device.virtual import (
+from wattserve.daemon.device.gate import ActuationGate
+from wattserve.daemon.device.managed import ManagedDevice
+from wattserve.daemon.device.protocol import EngineActivity, SetOutcome, energy_between_j
+from wattserve.daemon.device.sampler import TelemetrySampler, sampling_period_s
+from wattserve.daemon.device.state import StateFile
+from wattserve.daemon.device.virtual import (
     SimClock,
     VirtualGpu,
     VirtualGpuParams,

@@ -27,11 +27,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from daemon.engine.model import LlamaModel
-from daemon.engine.request import SamplingParams
-from daemon.engine.sampler import sample
-from daemon.engine.scheduler import ScheduledChunk, Sequence
 from tests.tiny_model import tiny_hf_llama
+from wattserve.daemon.engine.model import LlamaModel
+from wattserve.daemon.engine.request import SamplingParams
+from wattserve.daemon.engine.sampler import sample
+from wattserve.daemon.engine.scheduler import ScheduledChunk, Sequence
 
 CUDA0 = torch.device("cuda", 0)
 _SCALAR = torch.ops.aten._local_scalar_dense.default
@@ -185,7 +185,7 @@ def test_the_counter_sees_item_and_tolist_as_syncs():
 
 
 def test_kv_budget_on_cuda_is_what_the_weights_leave_of_gpu_memory_utilization(monkeypatch):
-    from daemon.engine.engine import EngineOptions, _kv_budget_bytes
+    from wattserve.daemon.engine.engine import EngineOptions, _kv_budget_bytes
 
     gib = 2**30
     # 140 GiB GPU, 6 GiB in use (weights, another process): 0.9 * 140 - 6 = 120 GiB
@@ -199,7 +199,7 @@ def test_kv_budget_on_cuda_is_what_the_weights_leave_of_gpu_memory_utilization(m
 
 def test_every_tensor_factory_in_the_engine_and_kernels_names_its_device():
     """A static guard for what the trace checks dynamically: torch.tensor / zeros / arange
-    / empty / ... / Generator in daemon/engine and wattserve_kernels always pass device=
+    / empty / ... / Generator in wattserve/daemon/engine and wattserve.kernels always pass device=
     (the *_like factories inherit their input's device and are not listed)."""
     import ast
     from pathlib import Path
@@ -208,7 +208,10 @@ def test_every_tensor_factory_in_the_engine_and_kernels_names_its_device():
                  "randint", "linspace", "as_tensor", "Generator"}
     root = Path(__file__).resolve().parents[2]
     missing = []
-    sources = [*(root / "daemon/engine").glob("*.py"), *(root / "wattserve_kernels").glob("*.py")]
+    sources = [
+        *(root / "wattserve/daemon/engine").glob("*.py"),
+        *(root / "wattserve/kernels").glob("*.py"),
+    ]
     checked = 0
     for path in sources:
         for node in ast.walk(ast.parse(path.read_text())):

@@ -8,13 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from controller.controller import ControllerState, Decision, Reason
-from controller.policy import ControlMode, Knobs
-from daemon.api.state import ServingState
-from daemon.config import load_config
-from daemon.device.protocol import Telemetry
-from daemon.feed import FeedItem, LiveFeed, Subscription
-from daemon.mqtt.payloads import EventPayload, TelemetryPayload
+from wattserve.controller.controller import ControllerState, Decision, Reason
+from wattserve.controller.policy import ControlMode, Knobs
+from wattserve.daemon.api.state import ServingState
+from wattserve.daemon.config import load_config
+from wattserve.daemon.device.protocol import Telemetry
+from wattserve.daemon.feed import FeedItem, LiveFeed, Subscription
+from wattserve.daemon.mqtt.payloads import EventPayload, TelemetryPayload
 
 
 @dataclass

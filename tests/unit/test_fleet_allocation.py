@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleet.allocation import InfeasibleFloors, NodeAsk, allocate
+from wattserve.fleet.allocation import InfeasibleFloors, NodeAsk, allocate
 
 EPS_W = 1e-6
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleet.allocator import (
+from wattserve.fleet.allocator import (
     Allocator,
     AllocatorParams,
     Demand,
@@ -27,7 +27,7 @@ PERIOD_S = 2.0
 
 
 class SimNode:
-    """A node as daemon/fleet_node.py behaves: its power limit is the grant in force."""
+    """A node as wattserve/fleet/node.py behaves: its power limit is the grant in force."""
 
     def __init__(self, spec: NodeSpec) -> None:
         self.spec = spec

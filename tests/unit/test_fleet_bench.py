@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from bench import fleet as bench_fleet
+from wattserve.bench import fleet as bench_fleet
 
 
 def test_bench_fleet_reports_and_never_exceeds_the_site_budget(capsys):

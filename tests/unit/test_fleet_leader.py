@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fleet.leader import Leadership, Role
+from wattserve.fleet.leader import Leadership, Role
 
 
 def broker_order(instances, claims, now_s):

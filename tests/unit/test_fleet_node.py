@@ -7,9 +7,8 @@ import time
 
 import pytest
 
-from daemon.config import Config, ConfigError, FleetConfig, MqttConfig, load_config
-from daemon.fleet_node import FleetNodeLink, GrantGate, node_demand
-from daemon.mqtt.payloads import (
+from wattserve.daemon.config import Config, ConfigError, FleetConfig, MqttConfig, load_config
+from wattserve.daemon.mqtt.payloads import (
     DemandPayload,
     DeviceFigures,
     GrantPayload,
@@ -17,6 +16,7 @@ from daemon.mqtt.payloads import (
     ServingFigures,
     TelemetryPayload,
 )
+from wattserve.fleet.node import FleetNodeLink, GrantGate, node_demand
 
 NOW_S = 1_767_000_000.0
 

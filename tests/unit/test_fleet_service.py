@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from daemon.cli import main
-from daemon.config import ConfigError
-from daemon.fleet_service import FleetService, load_fleet_config
-from daemon.mqtt.payloads import DemandPayload, GrantPayload
+from wattserve.daemon.cli import main
+from wattserve.daemon.config import ConfigError
+from wattserve.daemon.mqtt.payloads import DemandPayload, GrantPayload
+from wattserve.fleet.service import FleetService, load_fleet_config
 
 CONFIG = """
 [allocator]

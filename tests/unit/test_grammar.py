@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from daemon.engine.grammar import Grammars, apply_masks
-from daemon.engine.request import GuidedDecoding, InvalidRequestError, SamplingParams
 from tests.tiny_model import build_tokenizer
+from wattserve.daemon.engine.grammar import Grammars, apply_masks
+from wattserve.daemon.engine.request import GuidedDecoding, InvalidRequestError, SamplingParams
 
 
 def test_bit_j_of_word_w_allows_token_32w_plus_j() -> None:

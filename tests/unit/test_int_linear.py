@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from wattserve_kernels.int_linear import (
+from wattserve.kernels.int_linear import (
     dequantize_weights,
     int_linear,
     int_linear_available,

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from wattserve_kernels.attention import (
+from wattserve.kernels.attention import (
     attention_reference,
     paged_attention,
     paged_attention_torch,
@@ -17,9 +17,9 @@ from wattserve_kernels.attention import (
     rope_write_kv,
     write_kv,
 )
-from wattserve_kernels.extension import cpu_flags, load_cpu_kernels
-from wattserve_kernels.linear import Linear, dense_linear_available, pack_dense
-from wattserve_kernels.norm_rope import (
+from wattserve.kernels.extension import cpu_flags, load_cpu_kernels
+from wattserve.kernels.linear import Linear, dense_linear_available, pack_dense
+from wattserve.kernels.norm_rope import (
     RotaryTable,
     add_rms_norm,
     apply_rope,

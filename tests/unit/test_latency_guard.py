@@ -14,10 +14,10 @@ import dataclasses
 
 import pytest
 
-from controller.controller import Controller, ControllerParams, ControllerState, Reason
-from controller.models import QuantileRatio, conformal_quantile
-from controller.signals import EngineStats
 from tests.unit.test_controller import Plant, make_controller, run
+from wattserve.controller.controller import Controller, ControllerParams, ControllerState, Reason
+from wattserve.controller.models import QuantileRatio, conformal_quantile
+from wattserve.controller.signals import EngineStats
 
 
 def test_conformal_quantile_takes_the_split_conformal_rank():

@@ -14,10 +14,10 @@ import sys
 import psutil
 import pytest
 
-from daemon.config import load_config
-from daemon.device.factory import open_device
-from daemon.device.virtual import SimClock
-from daemon.engine.loader import load_model
+from wattserve.daemon.config import load_config
+from wattserve.daemon.device.factory import open_device
+from wattserve.daemon.device.virtual import SimClock
+from wattserve.daemon.engine.loader import load_model
 
 STATE_NAME = "device-GPU-virtual-0.json"
 

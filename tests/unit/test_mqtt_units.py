@@ -17,9 +17,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from daemon.config import ConfigError, MqttConfig, load_config
-from daemon.device.protocol import Telemetry
-from daemon.mqtt import (
+from wattserve.daemon.config import ConfigError, MqttConfig, load_config
+from wattserve.daemon.device.protocol import Telemetry
+from wattserve.daemon.mqtt import (
     Backoff,
     DeviceFigures,
     EventPayload,
@@ -28,10 +28,10 @@ from daemon.mqtt import (
     TelemetryPayload,
     TelemetryWindow,
 )
-from daemon.mqtt.link import read_password_file, tls_context
-from daemon.mqtt.metrics import MqttCollector
-from daemon.mqtt.outbox import Outbox, Outgoing
-from daemon.mqtt.payloads import (
+from wattserve.daemon.mqtt.link import read_password_file, tls_context
+from wattserve.daemon.mqtt.metrics import MqttCollector
+from wattserve.daemon.mqtt.outbox import Outbox, Outgoing
+from wattserve.daemon.mqtt.payloads import (
     PolicySetRejected,
     Topics,
     describe_rejection,
@@ -39,7 +39,7 @@ from daemon.mqtt.payloads import (
     policy_payload,
     resolve_node_id,
 )
-from daemon.mqtt.window import percentile
+from wattserve.daemon.mqtt.window import percentile
 
 # ---- backoff -----------------------------------------------------------------------------
 
@@ -188,7 +188,7 @@ class _Policy(BaseModel):
 
 
 def test_policy_payload_is_flat_from_a_model_a_dataclass_or_a_dict() -> None:
-    from controller.policy import Policy
+    from wattserve.controller.policy import Policy
 
     assert json.loads(policy_payload(_Policy(power_budget_w=5, mode="auto"))) == {
         "schema": 1,

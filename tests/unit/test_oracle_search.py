@@ -1,11 +1,11 @@
-"""The hindsight oracle's search and rule (daemon.sim.oracle) on made-up cost surfaces:
+"""The hindsight oracle's search and rule (wattserve.sim.oracle) on made-up cost surfaces:
 no engine, no device; each "run" is a formula whose best admissible setting is known."""
 
 from __future__ import annotations
 
 import pytest
 
-from daemon.sim.oracle import Axis, StaticSetting, default_space, rank_key, search
+from wattserve.sim.oracle import Axis, StaticSetting, default_space, rank_key, search
 
 LADDER_MHZ = tuple(range(345, 1981, 15))  # the virtual H200's
 

@@ -35,10 +35,10 @@ def test_every_kernel_source_and_header_is_package_data():
     import fnmatch
 
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    patterns = cfg["tool"]["setuptools"]["package-data"]["wattserve_kernels"]
+    patterns = cfg["tool"]["setuptools"]["package-data"]["wattserve.kernels"]
     files = sorted(
-        p.relative_to(ROOT / "wattserve_kernels").as_posix()
-        for p in (ROOT / "wattserve_kernels" / "csrc").iterdir()
+        p.relative_to(ROOT / "wattserve/kernels").as_posix()
+        for p in (ROOT / "wattserve/kernels" / "csrc").iterdir()
     )
     assert any(f.endswith(".h") for f in files) and any(f.endswith(".cpp") for f in files)
     assert [f for f in files if not any(fnmatch.fnmatch(f, pat) for pat in patterns)] == []

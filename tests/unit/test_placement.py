@@ -13,8 +13,8 @@ import types
 import pytest
 import torch
 
-from daemon.config import ConfigError, load_config
-from daemon.engine.placement import (
+from wattserve.daemon.config import ConfigError, load_config
+from wattserve.daemon.engine.placement import (
     GpuIdentity,
     Placement,
     PlacementError,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import random
 
-from daemon.engine.kv_cache import KVCacheManager
-from daemon.engine.scheduler import EngineLimits, Scheduler, Sequence
+from wattserve.daemon.engine.kv_cache import KVCacheManager
+from wattserve.daemon.engine.scheduler import EngineLimits, Scheduler, Sequence
 
 BS = 4
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from daemon.config import QuantLevelName
-from wattserve_kernels.linear import Linear
-from wattserve_kernels.quant import (
+from wattserve.daemon.config import QuantLevelName
+from wattserve.kernels.linear import Linear
+from wattserve.kernels.quant import (
     LEVEL_NAMES,
     CastLinear,
     Fp8Linear,
@@ -144,7 +144,7 @@ def test_int4_kernel_packing_round_trips(shape, group):
 def cpu_path(request, monkeypatch):
     """Each CPU path of the quantized linears: the integer kernel where this machine has
     it, and torch's packed kernels (what CPUs without AVX-512 VNNI run)."""
-    import wattserve_kernels.quant as quant
+    import wattserve.kernels.quant as quant
 
     if request.param == "int_kernel":
         if not quant.int_linear_available():
@@ -296,7 +296,7 @@ def test_cuda_int4_packing_round_trips():
 
 
 def test_default_levels_follow_the_device():
-    from wattserve_kernels.quant import default_levels, level_unavailable_reason
+    from wattserve.kernels.quant import default_levels, level_unavailable_reason
 
     assert default_levels("cpu") == ("fp32", "bf16", "int8", "int4")
     cuda = default_levels(torch.device("cuda", 0))

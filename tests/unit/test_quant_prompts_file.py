@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from bench.quant_accuracy import EXAMPLE_PROMPTS_FILE, PromptsFileError, read_prompts_file
-from daemon.cli import main
+from wattserve.bench.quant_accuracy import EXAMPLE_PROMPTS_FILE, PromptsFileError, read_prompts_file
+from wattserve.daemon.cli import main
 
 GOOD = {"context": "The sky is", "choices": [" blue", " green"], "answer": 0}
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from bench.quant import greedy_agreement_pct
-from daemon.quant_table import (
+from wattserve.bench.quant import greedy_agreement_pct
+from wattserve.daemon.quant_table import (
     QUALITY_TABLE_VERSION,
     levels_within_ppl_increase,
     load_quality_table,

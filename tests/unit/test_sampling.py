@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from daemon.engine.detokenizer import IncrementalDetokenizer
-from daemon.engine.logits import RowHistory, logprobs_of, process
-from daemon.engine.request import InvalidRequestError, SamplingParams
-from daemon.engine.sampler import make_generator, sample
 from tests.tiny_model import build_tokenizer
+from wattserve.daemon.engine.detokenizer import IncrementalDetokenizer
+from wattserve.daemon.engine.logits import RowHistory, logprobs_of, process
+from wattserve.daemon.engine.request import InvalidRequestError, SamplingParams
+from wattserve.daemon.engine.sampler import make_generator, sample
 
 
 @pytest.fixture(scope="module")

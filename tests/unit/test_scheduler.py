@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.engine.kv_cache import KVCacheManager
-from daemon.engine.scheduler import EngineLimits, Scheduler, SeqStatus, Sequence
+from wattserve.daemon.engine.kv_cache import KVCacheManager
+from wattserve.daemon.engine.scheduler import EngineLimits, Scheduler, SeqStatus, Sequence
 
 
 def fake_token(seq: Sequence) -> int:

@@ -1,4 +1,4 @@
-"""daemon.sdnotify against a fake NOTIFY_SOCKET the test binds (path and abstract)."""
+"""wattserve.daemon.sdnotify against a fake NOTIFY_SOCKET the test binds (path and abstract)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from daemon.sdnotify import Notifier, ProgressProbe, Watchdog, one_line, status_line
 from tests.fake_notify_socket import fake_notify_socket
+from wattserve.daemon.sdnotify import Notifier, ProgressProbe, Watchdog, one_line, status_line
 
 WAIT_S = 5.0
 
@@ -79,7 +79,7 @@ def test_notify_rejects_malformed_assignments() -> None:
 def test_send_failure_returns_false_and_logs_once(tmp_path, caplog) -> None:
     n = Notifier(str(tmp_path / "absent"))
     assert n.enabled
-    with caplog.at_level(logging.DEBUG, logger="daemon.sdnotify"):
+    with caplog.at_level(logging.DEBUG, logger="wattserve.daemon.sdnotify"):
         assert not n.ready()
         assert not n.status("x")
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -137,7 +137,7 @@ def test_tick_pings_only_when_every_probe_progressed(notify, caplog) -> None:
         w.add_probe("engine", lambda: True)
     assert w.tick()
     answers["controller"] = False
-    with caplog.at_level(logging.WARNING, logger="daemon.sdnotify"):
+    with caplog.at_level(logging.WARNING, logger="wattserve.daemon.sdnotify"):
         assert not w.tick()
         assert not w.tick()
     assert w.stalled == ("controller",)
@@ -268,7 +268,7 @@ def test_report_status_repeats_and_survives_a_failing_summary(notify, caplog) ->
         await asyncio.sleep(0.22)
         task.cancel()
 
-    with caplog.at_level(logging.ERROR, logger="daemon.sdnotify"):
+    with caplog.at_level(logging.ERROR, logger="wattserve.daemon.sdnotify"):
         asyncio.run(body())
     time.sleep(0.05)
     sent = notify.assignments()

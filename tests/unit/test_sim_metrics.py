@@ -1,11 +1,11 @@
-"""The run figures' list of missed requests (daemon/sim/metrics.py)."""
+"""The run figures' list of missed requests (wattserve/sim/metrics.py)."""
 
 from __future__ import annotations
 
-from controller.policy import Policy
-from daemon.sim.metrics import missed_requests, summarize
-from daemon.sim.run import RunResult, Sample
-from daemon.sim.scenarios import Scenario
+from wattserve.controller.policy import Policy
+from wattserve.sim.metrics import missed_requests, summarize
+from wattserve.sim.run import RunResult, Sample
+from wattserve.sim.scenarios import Scenario
 
 
 def test_misses_name_each_late_or_unfinished_request_with_the_settings_at_its_arrival():

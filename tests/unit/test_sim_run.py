@@ -1,4 +1,4 @@
-"""The engine-model runner (daemon.sim.run) with a recording system: when a system hears of
+"""The engine-model runner (wattserve.sim.run) with a recording system: when a system hears of
 a budget change and when it may act on it. Made-up calibration, simulated seconds; no
 torch steps, no controller."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from controller.policy import Policy
-from daemon.sim.calibration import Calibration, LevelFit
-from daemon.sim.run import run_scenario
-from daemon.sim.scenarios import RequestMix, Scenario
-from daemon.sim.systems import System
+from wattserve.controller.policy import Policy
+from wattserve.sim.calibration import Calibration, LevelFit
+from wattserve.sim.run import run_scenario
+from wattserve.sim.scenarios import RequestMix, Scenario
+from wattserve.sim.systems import System
 
 STEP_S = 1.13  # off the 0.25 s tick grid and off the runner's 0.1 s idle advances
 

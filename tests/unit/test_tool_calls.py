@@ -1,5 +1,5 @@
-"""Tool-call readers (daemon/api/tools.py): what they read out of text, whole or in pieces,
-and that every way of cutting the text into pieces gives the same answer."""
+"""Tool-call readers (wattserve/daemon/api/tools.py): what they read out of text, whole or in
+pieces, and that every way of cutting the text into pieces gives the same answer."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from daemon.api.tools import (
+from wattserve.daemon.api.tools import (
     CallDelta,
     ContentDelta,
     ForcedReader,

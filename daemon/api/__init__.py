@@ -1,1 +1,0 @@
-"""The local HTTP API: `daemon.api.app.create_app(state)` builds the FastAPI app."""

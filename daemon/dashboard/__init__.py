@@ -1,2 +1,0 @@
-"""The dashboard's static files (index.html, app.js, style.css, vendor/uPlot), package data
-served by daemon/api/dashboard.py. No Python lives here."""
