@@ -62,7 +62,12 @@ def _bench_json(which: str, tmp_path, capsys, *argv: str) -> dict:
     return json.loads(out[-1])
 
 
-def test_bench_control_model_engine_prints_the_headline_json(tmp_path, capsys):
+def test_bench_control_model_engine_prints_the_headline_json(tmp_path, capsys, monkeypatch):
+    # No --out: the plots go under the cache, never into the working directory's docs/.
+    cache, cwd = tmp_path / "cache", tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.setenv("WATTSERVE_CACHE", str(cache))
+    monkeypatch.chdir(cwd)
     line = _bench_json(
         "control",
         tmp_path,
@@ -75,9 +80,9 @@ def test_bench_control_model_engine_prints_the_headline_json(tmp_path, capsys):
         "controller,max_clock,pid_power",
         "--duration-s",
         "45",
-        "--out",
-        str(tmp_path),
     )
+    assert list(cwd.iterdir()) == []
+    plots = cache / "bench" / "control"
     for key in (
         "attainment_pct",
         "energy_saving_vs_max_clock_pct",
@@ -95,8 +100,8 @@ def test_bench_control_model_engine_prints_the_headline_json(tmp_path, capsys):
         table["steady60"]["controller"]["j_per_token"]
         <= table["steady60"]["max_clock"]["j_per_token"]
     )
-    assert (tmp_path / "control-model-steady60.png").stat().st_size > 10_000
-    assert (tmp_path / "control-model-summary.png").is_file()
+    assert (plots / "control-model-steady60.png").stat().st_size > 10_000
+    assert (plots / "control-model-summary.png").is_file()
     # Every input that can change the figures is named: the calibration (its file, hash
     # and fitted values) and each scenario's seed.
     cal = line["calibration"]

@@ -14,8 +14,9 @@ interval), the controller's speed table measured on the spot as the daemon's com
 bench quant run where it serves (the engine model's comes from its calibration). Both drive
 the daemon's own ControlLoop. Baselines, same arrivals: max clock with fixed batch caps (the
 uncontrolled engine), a static power cap at the budget, and a PI(D) loop on power only.
-Writes docs/control-<scenario>.png and docs/control-summary.png; the last line printed
-is one JSON object. Prompts are token counts (the engine model needs no text; the real
+Writes control-<engine>-<scenario>.png and a summary plot under --out (default
+<cache>/bench/control/, never the source tree unless named); the last line printed is one
+JSON object. Prompts are token counts (the engine model needs no text; the real
 engine reads windows of the Python licence text, as bench engine does).
 """
 
@@ -30,6 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from wattserve.bench import output_dir
 from wattserve.bench.control_plots import plot_scenario, plot_summary
 from wattserve.bench.control_real import (
     DEFAULT_REQUESTS,
@@ -257,9 +259,15 @@ def main(argv: list[str] | None = None) -> int:
         "scenarios on other draws; 0 gives the default figures",
     )
     add_calibration_args(ap)
-    ap.add_argument("--out", type=Path, default=Path("docs"))
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where the plots and per-scenario JSON go (default: <cache>/bench/control)",
+    )
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
+    args.out = args.out or output_dir("control")
     policy = policy_from_args(ap, args)
 
     cal, cal_facts = load_or_calibrate(args)

@@ -196,7 +196,12 @@ def write_plots(points: list[ClockPoint], path: Path, title: str) -> None:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seconds", type=float, default=60.0, help="sweep length, all clocks")
-    ap.add_argument("--out", type=Path, default=Path("docs"))
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where the CSV and plot go (default: <cache>/bench/device-trace)",
+    )
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--batch", type=int, default=16, help="requests kept in flight")
     ap.add_argument("--prompt-tokens", type=int, default=64)
@@ -211,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from wattserve.bench import output_dir
+
+    args.out = args.out or output_dir("device-trace")
     args.out.mkdir(parents=True, exist_ok=True)
     points = run_trace(args)
     csv_path, png_path = args.out / "device-trace.csv", args.out / "device-trace.png"

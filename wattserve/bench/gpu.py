@@ -19,9 +19,9 @@ On a machine with an NVIDIA GPU it:
 - records NVML power and energy at three fixed loads (idle, bs1 decode, batched decode) and
   beside each the virtual GPU's prediction (wattserve/daemon/device/virtual.py's power model, its
   H200 profile) for the same engine activity at the SM clock and die temperature NVML read;
-- writes docs/gpu-<date>.md with the figures and the command, and the report beside it as
-  gpu-<date>.json, both rewritten after each section (a run killed later keeps them); the
-  last line printed is the same JSON object.
+- writes gpu-<date>.md (under --out-dir, default <cache>/bench/gpu/) with the figures and
+  the command, and the report beside it as gpu-<date>.json, both rewritten after each
+  section (a run killed later keeps them); the last line printed is the same JSON object.
 
 Sizes (defaults; estimated, not yet run on an H200): SmolLM2 bf16 ~2 min (HF generate on
 20 prompts one by one, two engines, CB warm-up and timed run, 3 x 8 s of power, a serving
@@ -56,6 +56,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from wattserve.bench import output_dir
 
 NO_GPU_EXIT = 2
 SERVE_REQUEST_TIMEOUT_S = 120.0
@@ -486,7 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--out-dir",
         default=None,
-        help="where the doc and its JSON go, rewritten after each section (default: docs)",
+        help="where the doc and its JSON go, rewritten after each section "
+        "(default: <cache>/bench/gpu)",
     )
     ap.add_argument(
         "--dry-run-cpu",
@@ -514,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         args.serve_prompt_len, args.serve_output_len = (16, 32), (2, 6)
         args.out_dir = args.out_dir or tempfile.mkdtemp(prefix="wattserve-bench-gpu-")
         return _run(args, Target(torch.device("cpu"), None, None, args.gpu, True))
-    args.out_dir = args.out_dir or "docs"
+    args.out_dir = args.out_dir or str(output_dir("gpu"))
     try:
         preflight()
     except NoGpuError as e:
