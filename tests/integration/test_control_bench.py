@@ -115,6 +115,25 @@ def test_bench_control_model_engine_prints_the_headline_json(tmp_path, capsys, m
     assert line["seed_offset"] == 0
 
 
+def test_bench_control_prices_power_from_a_device_calibration_when_given(tmp_path, capsys):
+    from tests.unit.test_power_calibration import _fit, _points
+
+    device_cal = tmp_path / "power-calibration.json"
+    device_cal.write_text(_fit(_points()).to_json())
+    args = ("--levels", "fp32", "--scenarios", "steady60", "--systems", "max_clock")
+    args += ("--duration-s", "20", "--no-plots", "--out", str(tmp_path))
+    base = _bench_json("control", tmp_path, capsys, *args)
+    priced = _bench_json(
+        "control", tmp_path, capsys, *args, "--device-calibration", str(device_cal)
+    )
+    assert "device_calibration" not in base  # without one the line is as it always was
+    assert priced["device_calibration"]["path"] == str(device_cal)
+    # Same arrivals and steps, another power model: the energy differs, the requests do not.
+    row, row_priced = (x["per_scenario"]["steady60"]["max_clock"] for x in (base, priced))
+    assert row["requests"] == row_priced["requests"]
+    assert row_priced["j_per_token"] < row["j_per_token"]
+
+
 def test_bench_control_seed_offset_moves_every_seed_and_the_draws(tmp_path, capsys):
     args = ("--levels", "fp32,bf16", "--scenarios", "steady60", "--systems", "max_clock")
     args += ("--duration-s", "30", "--no-plots", "--out", str(tmp_path))

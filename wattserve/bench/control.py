@@ -266,7 +266,24 @@ def main(argv: list[str] | None = None) -> int:
         help="where the plots and per-scenario JSON go (default: <cache>/bench/control)",
     )
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument(
+        "--device-calibration",
+        type=Path,
+        default=None,
+        help="a power calibration `wattserve bench gpu` wrote on a real GPU: the virtual GPU "
+        "prices power from it (default: its H200 profile's physical model)",
+    )
     args = ap.parse_args(argv)
+    if args.device_calibration is not None:
+        from wattserve.daemon.device.power_calibration import (
+            PowerCalibration,
+            PowerCalibrationError,
+        )
+
+        try:
+            PowerCalibration.load(args.device_calibration)
+        except PowerCalibrationError as e:
+            ap.error(f"--device-calibration: {e}")
     args.out = args.out or output_dir("control")
     policy = policy_from_args(ap, args)
 
@@ -361,17 +378,23 @@ def main(argv: list[str] | None = None) -> int:
         for sys_name in systems:
             t0 = time.perf_counter()
             if sys_name == "best_static":
-                res, oracles[name] = best_static(sc, cal, capacity, mix, policy, levels, start)
+                res, oracles[name] = best_static(
+                    sc, cal, capacity, mix, policy, levels, start, args.device_calibration
+                )
                 print(
                     f"{name:>12} {'best_static':>22}: hindsight oracle "
                     f"{oracles[name].setting.label} ({oracles[name].evaluated} settings run)",
                     flush=True,
                 )
             elif args.engine == "model":
-                res = run_model(sc, sys_name, cal, capacity, mix, policy, levels, start)
+                res = run_model(
+                    sc, sys_name, cal, capacity, mix, policy, levels, start,
+                    device_calibration=args.device_calibration,
+                )
             else:
                 res = run_real(
-                    sc, sys_name, capacity, mix, policy, levels, start, cal, loaded, speeds
+                    sc, sys_name, capacity, mix, policy, levels, start, cal, loaded, speeds,
+                    device_calibration=args.device_calibration,
                 )
             summary = summarize(res, policy, sc)
             ci = ""
@@ -440,6 +463,13 @@ def main(argv: list[str] | None = None) -> int:
             print(text, flush=True)
     line["oracle"] = oracle
     line["calibration"] = cal_facts
+    if args.device_calibration is not None:  # only then: the line is unchanged without one
+        import hashlib
+
+        line["device_calibration"] = {
+            "path": str(args.device_calibration),
+            "sha256": hashlib.sha256(args.device_calibration.read_bytes()).hexdigest(),
+        }
     line["seed_offset"] = args.seed_offset
     line["seeds"] = {name: scenarios[name].seed for name in names}
     # The engine model takes quality and speeds from the calibration; only the real

@@ -349,9 +349,11 @@ def run_real(
     cal: Calibration,
     loaded: Any,
     speeds: dict[str, dict[str, float]] | None = None,
+    device_calibration: Path | None = None,
 ) -> RunResult:
     """One scenario with one system on the real engine (a fresh one over the loaded
-    weights), in wall time; speeds: the controller's speed table (measure_level_speeds_real)."""
+    weights), in wall time; speeds: the controller's speed table (measure_level_speeds_real);
+    device_calibration: the virtual GPU's measured power calibration, if any."""
     from wattserve.bench.engine import corpus_token_ids
     from wattserve.daemon.config import DeviceConfig
     from wattserve.daemon.coupling import device_step_hook
@@ -369,6 +371,7 @@ def run_real(
                 state_dir=Path(state_dir),
                 virtual_seed=scenario.seed,
                 virtual_ambient_c=scenario.ambient_c(0.0),
+                virtual_power_calibration=device_calibration,
             )
         )
         system = make_system(

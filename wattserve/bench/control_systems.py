@@ -9,6 +9,7 @@ Baselines and references only: the controller itself is the daemon's, never a co
 from __future__ import annotations
 
 import bisect
+from pathlib import Path
 
 from wattserve.controller.policy import Policy, QuantOption, allowed_quant_levels
 from wattserve.daemon.device.virtual import VirtualGpuParams
@@ -94,6 +95,7 @@ def best_static(
     policy: Policy,
     levels: tuple[str, ...],
     start_level: str,
+    device_calibration: Path | None = None,
 ) -> tuple[RunResult, OracleResult]:
     """The hindsight oracle (wattserve.sim.oracle), not a controller: the best static setting
     of clock, batch caps, level and decode pacing, searched jointly on the same arrivals
@@ -109,7 +111,10 @@ def best_static(
         VirtualGpuParams().sm_clock_ladder_mhz(),
         block_size_tokens=cal.block_size_tokens,
     )
-    found, res = find_oracle(scenario, cal, capacity_req_s, mix, policy, start_level, space)
+    found, res = find_oracle(
+        scenario, cal, capacity_req_s, mix, policy, start_level, space,
+        device_calibration=device_calibration,
+    )
     res.system = "best_static"
     return res, found
 
@@ -124,13 +129,16 @@ def run_model(
     levels: tuple[str, ...],
     start_level: str,
     drain_s: float = 60.0,
+    device_calibration: Path | None = None,
 ) -> RunResult:
     """One scenario with one system on the engine model, in simulated time."""
 
     def make(engine, device, clock, run_policy: Policy) -> System:
         return make_system(system_name, engine, device, clock, run_policy, cal, levels, inline=True)
 
-    return run_scenario(scenario, make, cal, capacity_req_s, mix, policy, start_level, drain_s)
+    return run_scenario(
+        scenario, make, cal, capacity_req_s, mix, policy, start_level, drain_s, device_calibration
+    )
 
 
 def make_system(

@@ -756,14 +756,23 @@ def _llama_1b_shaped(target: Target, args, report: dict) -> dict:
     return out
 
 
+# Fitted on idle, bs1 and the full batch; the other loads are held out to test the fit.
+POWER_FIT_LOADS = ("idle", "bs1", "batch")
+
+
 def _power_loads(target: Target, engine, prompts, args) -> dict:
-    """NVML power and energy at three fixed loads (idle, bs1 decode, batched decode), each
-    with the engine activity it saw and the virtual GPU's prediction for that activity."""
+    """NVML power and energy at fixed loads (idle, bs1, batch 8 and the full batch of decode),
+    each with the engine activity it saw and the virtual GPU's prediction for that activity;
+    then a power calibration fitted on idle, bs1 and the full batch (written beside the
+    report as power-calibration.json) and its prediction of the held-out loads."""
     from wattserve.daemon.engine.request import SamplingParams
 
     log = StepLog(engine)
     loads = {}
-    for name, batch in (("idle", 0), ("bs1", 1), (f"batch{args.batch}", args.batch)):
+    points = {}
+    batches = [("idle", 0), ("bs1", 1), ("batch8", 8), (f"batch{args.batch}", args.batch)]
+    batches = list(dict(batches).items())  # batch 8 once when --batch is 8
+    for name, batch in batches:
         params = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
         rng = random.Random(batch)
         produced = 0
@@ -790,7 +799,73 @@ def _power_loads(target: Target, engine, prompts, args) -> dict:
             s["virtual_gpu"]["predicted_w_mean"], s.get("power_w_mean")
         )
         loads[name] = s
+        points[name] = load_point(name, steps, window_s, s)
+    loads["calibration"] = _calibrate(target, points, f"batch{args.batch}", args)
     return loads
+
+
+def load_point(name: str, steps: list, window_s: float, summary: dict):
+    """A window's LoadPoint: NVML's mean power and clock, the engine's achieved utilisation
+    against the virtual GPU profile's peaks (the simulator's own definitions); None without
+    a power reading (the CPU dry run)."""
+    from wattserve.daemon.device.power_calibration import LoadPoint
+    from wattserve.daemon.device.virtual import VirtualGpuParams
+
+    if summary.get("power_w_mean") is None or window_s <= 0:
+        return None
+    p = VirtualGpuParams()
+    busy_s = sum(a.step_duration_s for _, a in steps)
+    window_s = max(window_s, busy_s)
+    return LoadPoint(
+        label=name,
+        power_w=summary["power_w_mean"],
+        busy_fraction=busy_s / window_s,
+        memory_utilization=min(
+            1.0,
+            sum(a.bytes_read for _, a in steps) / window_s / p.peak_memory_bandwidth_bytes_per_s,
+        ),
+        compute_utilization=min(1.0, sum(a.flops for _, a in steps) / window_s / p.peak_flops),
+        sm_clock_mhz=summary.get("sm_clock_mhz_mean") or p.sm_clock_max_mhz,
+        gpu_temp_c=summary.get("gpu_temp_c_mean"),
+    )
+
+
+def _calibrate(target: Target, points: dict, full_batch: str, args) -> dict:
+    """Fit on idle, bs1 and the full batch; predict the others; write the file."""
+    from wattserve.daemon.device.power_calibration import fit_power_calibration
+    from wattserve.daemon.device.virtual import VirtualGpuParams, fv_squared
+
+    fit_names = ("idle", "bs1", full_batch)
+    fit_points = [points[n] for n in fit_names if points.get(n) is not None]
+    if len(fit_points) < len(fit_names):
+        return {"skipped": "no NVML power reading"}
+    p = VirtualGpuParams()
+    clock = fit_points[0].sm_clock_mhz
+    cal = fit_power_calibration(
+        fit_points,
+        gpu_name=getattr(getattr(target.backend, "identity", None), "name", "unknown"),
+        prior_memory_w=p.memory_full_bandwidth_w,
+        prior_compute_w=p.compute_w_per_ghz_v2 * fv_squared(p, clock),
+        source=args.command,
+    )
+    path = Path(args.out_dir) / "power-calibration.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(cal.to_json() + "\n")
+    out = {
+        "path": str(path),
+        "fitted_on": list(fit_names),
+        "idle_w": _r(cal.idle_w),
+        "active_w": _r(cal.active_w),
+        "memory_w": _r(cal.memory_w),
+        "compute_w": _r(cal.compute_w),
+    }
+    for name, pt in points.items():
+        if pt is None:
+            continue
+        predicted = cal.predict_w(pt.busy_fraction, pt.memory_utilization, pt.compute_utilization)
+        role = "fit" if name in fit_names else "held_out"
+        out[f"{role}.{name}.predicted_over_measured"] = _ratio(predicted, pt.power_w)
+    return out
 
 
 def _serving(loaded, target: Target, args) -> dict:

@@ -14,7 +14,14 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -189,6 +196,20 @@ class DeviceConfig(_Section):
     virtual_ambient_c: float = Field(
         25.0, ge=-20, le=90, description="Inlet temperature of the virtual GPU at start."
     )
+    virtual_power_calibration: Path | None = Field(
+        None,
+        description="A power calibration `wattserve bench gpu` wrote on a real GPU: the "
+        "virtual GPU prices power from it instead of its profile's constants.",
+    )
+
+    @field_validator("virtual_power_calibration")
+    @classmethod
+    def _calibration_readable(cls, path: Path | None) -> Path | None:
+        if path is not None:
+            from wattserve.daemon.device.power_calibration import PowerCalibration
+
+            PowerCalibration.load(path)  # raises, naming the file and the field
+        return path
 
 
 class ControllerConfig(_Section):

@@ -27,6 +27,7 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from wattserve.controller.policy import Policy
 from wattserve.sim.calibration import Calibration
@@ -315,13 +316,16 @@ def run_static(
     policy: Policy,
     start_level: str,
     drain_s: float = 60.0,
+    device_calibration: Path | None = None,
 ) -> RunResult:
     """One scenario with one static setting on the engine model, in simulated time."""
 
     def make(engine, device, clock, run_policy: Policy) -> System:
         return StaticSystem(engine, device, clock, run_policy.power_budget_w, setting)
 
-    return run_scenario(scenario, make, cal, capacity_req_s, mix, policy, start_level, drain_s)
+    return run_scenario(
+        scenario, make, cal, capacity_req_s, mix, policy, start_level, drain_s, device_calibration
+    )
 
 
 def scenario_evaluator(
@@ -332,12 +336,16 @@ def scenario_evaluator(
     policy: Policy,
     start_level: str,
     on_eval: Callable[[StaticSetting, dict], None] | None = None,
+    device_calibration: Path | None = None,
 ) -> Callable[[StaticSetting], dict]:
     """`search`'s evaluate for one scenario: a run on the engine model, summarized."""
     from wattserve.sim.metrics import summarize
 
     def evaluate(s: StaticSetting) -> dict:
-        res = run_static(scenario, s, cal, capacity_req_s, mix, policy, start_level)
+        res = run_static(
+            scenario, s, cal, capacity_req_s, mix, policy, start_level,
+            device_calibration=device_calibration,
+        )
         out = summarize(res, policy, scenario)
         if on_eval is not None:
             on_eval(s, out)
@@ -357,10 +365,16 @@ def find_oracle(
     starts: int = 2,
     max_evals: int = 400,
     on_eval: Callable[[StaticSetting, dict], None] | None = None,
+    device_calibration: Path | None = None,
 ) -> tuple[OracleResult, RunResult]:
     """The oracle of one scenario (see the module's rule) and its run (for plots)."""
-    evaluate = scenario_evaluator(scenario, cal, capacity_req_s, mix, policy, start_level, on_eval)
+    evaluate = scenario_evaluator(
+        scenario, cal, capacity_req_s, mix, policy, start_level, on_eval, device_calibration
+    )
     found = search(evaluate, space, policy.slo_percentile, starts, max_evals)
     # The runs are deterministic: the best one again, rather than every run kept.
-    res = run_static(scenario, found.setting, cal, capacity_req_s, mix, policy, start_level)
+    res = run_static(
+        scenario, found.setting, cal, capacity_req_s, mix, policy, start_level,
+        device_calibration=device_calibration,
+    )
     return found, res

@@ -89,10 +89,12 @@ def run_scenario(
     policy: Policy,
     start_level: str,
     drain_s: float = 60.0,
+    device_calibration: Path | None = None,
 ) -> RunResult:
     """One scenario with one system (`make_system` builds it over the engine model, the
     device, the clock and the policy at the scenario's first budget, in auto mode) on the
-    engine model, in simulated time."""
+    engine model, in simulated time. device_calibration: a measured power calibration for
+    the virtual GPU (`[device] virtual_power_calibration`); None: its profile's model."""
     from wattserve.daemon.config import DeviceConfig
     from wattserve.daemon.device import SimClock, open_device
 
@@ -105,6 +107,7 @@ def run_scenario(
                 state_dir=Path(state_dir),
                 virtual_seed=scenario.seed,
                 virtual_ambient_c=scenario.ambient_c(0.0),
+                virtual_power_calibration=device_calibration,
             ),
             clock=clock,
         )

@@ -18,6 +18,7 @@ from wattserve.daemon.config import DeviceConfig
 from wattserve.daemon.device.gate import ActuationGate
 from wattserve.daemon.device.managed import ManagedDevice
 from wattserve.daemon.device.nvml import NvmlBackend
+from wattserve.daemon.device.power_calibration import PowerCalibration
 from wattserve.daemon.device.protocol import DeviceBackend, DeviceError, NvmlUnavailableError
 from wattserve.daemon.device.state import StateFile, resolve_state_dir, state_file_path
 from wattserve.daemon.device.virtual import VirtualGpu, VirtualGpuParams
@@ -101,7 +102,16 @@ def _virtual(
     params = dataclasses.replace(
         params or VirtualGpuParams(), seed=cfg.virtual_seed, ambient_c=cfg.virtual_ambient_c
     )
-    return VirtualGpu(params, clock=clock)
+    calibration = None
+    if cfg.virtual_power_calibration is not None:
+        calibration = PowerCalibration.load(cfg.virtual_power_calibration)
+        log.info(
+            "device: the virtual GPU prices power from %s (%s at %.0f MHz)",
+            cfg.virtual_power_calibration,
+            calibration.gpu_name,
+            calibration.sm_clock_mhz,
+        )
+    return VirtualGpu(params, clock=clock, calibration=calibration)
 
 
 def _handle_leftover(device: ManagedDevice, cfg: DeviceConfig, pid: int, live_other: bool) -> None:

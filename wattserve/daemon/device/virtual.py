@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from wattserve.daemon.device.power_calibration import PowerCalibration
 from wattserve.daemon.device.protocol import (
     REASON_GPU_IDLE,
     REASON_HW_POWER_BRAKE,
@@ -240,6 +241,58 @@ def memory_activity(p: VirtualGpuParams, fraction_compute: float, sm_clock_mhz: 
     return m_share + c_share * p.memory_activity_in_compute_phase
 
 
+class StepRates(NamedTuple):
+    """What a running step does per second at the top clock (its measured duration)."""
+
+    fraction_compute: float
+    bytes_per_s: float
+    flops_per_s: float
+
+
+def step_rates(p: VirtualGpuParams, activity: EngineActivity) -> StepRates:
+    duration_s = activity.step_duration_s
+    return StepRates(
+        compute_fraction(p, activity),
+        activity.bytes_read / duration_s if duration_s > 0 else 0.0,
+        activity.flops / duration_s if duration_s > 0 else 0.0,
+    )
+
+
+def fv_squared(p: VirtualGpuParams, sm_clock_mhz: float) -> float:
+    """f (GHz) x V(f)^2: what the clock-dependent power terms scale with."""
+    v = voltage_v(p, sm_clock_mhz)
+    return sm_clock_mhz / 1000.0 * v * v
+
+
+def calibrated_power_w(
+    p: VirtualGpuParams,
+    cal: PowerCalibration,
+    sm_clock_mhz: float,
+    gpu_temp_c: float,
+    step: StepRates | None,
+) -> float:
+    """Board power from a measured calibration (power_calibration.py); step None = no kernel.
+
+    At the calibrated clock and temperature this is the calibration's own formula, a step's
+    memory and compute utilisation being its rates over the peaks, its time stretched at a
+    lower clock. Off that clock the clock-tree, active and compute terms scale with
+    f * V(f)^2 on this profile's voltage curve (measured only at the clock of the run:
+    observe mode cannot set one), and leakage follows the die temperature as in power_w.
+    """
+    fv2, fv2_cal = fv_squared(p, sm_clock_mhz), fv_squared(p, cal.sm_clock_mhz)
+    watts = cal.idle_w + p.clock_tree_w_per_ghz_v2 * (fv2 - fv2_cal)
+    if cal.idle_temp_c is not None:
+        watts += p.leakage_w_per_c * (gpu_temp_c - cal.idle_temp_c)
+    if step is not None:
+        scale = fv2 / fv2_cal
+        stretch = stretch_factor(p, step.fraction_compute, sm_clock_mhz)
+        memory_util = step.bytes_per_s / stretch / p.peak_memory_bandwidth_bytes_per_s
+        compute_util = step.flops_per_s / stretch / p.peak_flops
+        watts += cal.active_w * scale + cal.memory_w * memory_util
+        watts += cal.compute_w * compute_util * scale
+    return max(watts, 0.0)
+
+
 # -- clocks -------------------------------------------------------------------------------
 
 
@@ -281,9 +334,16 @@ class VirtualGpu:
     """The simulated GPU. Thread-safe: the sampler reads while the engine records steps."""
 
     def __init__(
-        self, params: VirtualGpuParams | None = None, clock: Callable[[], float] = time.monotonic
+        self,
+        params: VirtualGpuParams | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        calibration: PowerCalibration | None = None,
     ) -> None:
+        """calibration: price power from a measured calibration instead of the profile's
+        physical constants (clocks, thermals and firmware stay the profile's)."""
         self._p = params or VirtualGpuParams()
+        self._calibration = calibration
+        self._step = StepRates(0.0, 0.0, 0.0)
         self._clock = clock
         self._lock = threading.RLock()
         self._ladder = self._p.sm_clock_ladder_mhz()
@@ -304,11 +364,11 @@ class VirtualGpu:
         # Start at the bare-idle thermal equilibrium (fixed point through leakage).
         self._temp_c = self._ambient_c
         for _ in range(50):
-            idle_w = power_w(p, p.sm_clock_idle_mhz, self._temp_c, None)
+            idle_w = self._power_w(p.sm_clock_idle_mhz, self._temp_c, busy=False)
             self._temp_c = self._ambient_c + p.thermal_resistance_c_per_w * idle_w
         self._mem_temp_c = self._mem_equilibrium_c(idle_w)
         self._sm_clock_mhz, self._reasons = self._firmware(busy=False)
-        self._power_now_w = power_w(p, self._sm_clock_mhz, self._temp_c, None)
+        self._power_now_w = self._power_w(self._sm_clock_mhz, self._temp_c, busy=False)
         self._next_tick = math.floor(now / p.telemetry_period_s) + 1
         window_ticks = max(1, round(p.power_avg_window_s / p.telemetry_period_s))
         self._ticks: deque[_Tick] = deque(maxlen=window_ticks + 1)
@@ -402,6 +462,7 @@ class VirtualGpu:
                 return 0.0
             self._context_open = True  # the engine has a CUDA context from its first step
             self._fraction_compute = compute_fraction(self._p, activity)
+            self._step = step_rates(self._p, activity)
             sm_clock_mhz, _ = self._firmware(busy=True)
             stretched_s = activity.step_duration_s * stretch_factor(
                 self._p, self._fraction_compute, sm_clock_mhz
@@ -521,23 +582,28 @@ class VirtualGpu:
                 reasons |= REASON_SW_THERMAL
                 target = sw_cap
         clock_mhz = self._snap_down_mhz(target)
-        fraction = self._fraction_compute if busy else None
-        if power_w(p, clock_mhz, temp_c, fraction) > self._power_limit_w:
+        if self._power_w(clock_mhz, temp_c, busy) > self._power_limit_w:
             reasons |= REASON_SW_POWER_CAP
-            clock_mhz = self._highest_clock_within_limit(clock_mhz, temp_c, fraction)
+            clock_mhz = self._highest_clock_within_limit(clock_mhz, temp_c, busy)
         return clock_mhz, reasons
 
-    def _highest_clock_within_limit(
-        self, ceiling_mhz: int, temp_c: float, fraction: float | None
-    ) -> int:
+    def _power_w(self, clock_mhz: float, temp_c: float, busy: bool) -> float:
+        """Board power now: the profile's physical model, or the measured calibration."""
+        if self._calibration is None:
+            return power_w(self._p, clock_mhz, temp_c, self._fraction_compute if busy else None)
+        return calibrated_power_w(
+            self._p, self._calibration, clock_mhz, temp_c, self._step if busy else None
+        )
+
+    def _highest_clock_within_limit(self, ceiling_mhz: int, temp_c: float, busy: bool) -> int:
         # Power rises monotonically with the clock, so bisect the ladder below the ceiling.
         p = self._p
         lo, hi = 0, (ceiling_mhz - p.sm_clock_min_mhz) // p.sm_clock_step_mhz
-        if power_w(p, self._ladder[0], temp_c, fraction) > self._power_limit_w:
+        if self._power_w(self._ladder[0], temp_c, busy) > self._power_limit_w:
             return self._ladder[0]
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if power_w(p, self._ladder[mid], temp_c, fraction) <= self._power_limit_w:
+            if self._power_w(self._ladder[mid], temp_c, busy) <= self._power_limit_w:
                 lo = mid
             else:
                 hi = mid - 1
@@ -565,8 +631,7 @@ class VirtualGpu:
                     t_next = min(t_next, self._busy_until_s)
             dt = t_next - t
             clock_mhz, reasons = self._firmware(busy)
-            fraction = self._fraction_compute if busy else None
-            watts = power_w(p, clock_mhz, self._temp_c, fraction)
+            watts = self._power_w(clock_mhz, self._temp_c, busy)
             self._energy_j += watts * dt
             if busy:
                 self._busy_s += dt
