@@ -53,6 +53,35 @@ def test_a_torch_lock_left_by_a_killed_build_does_not_make_the_load_wait(
     assert any("stale build lock" in r.getMessage() for r in caplog.records)
 
 
+def test_a_torch_lock_a_live_process_holds_open_is_waited_on_not_removed(
+    tmp_path, stubbed_build
+):
+    """A build by code that takes torch's lock without ours (an older wattserve) is live."""
+    build_dir = tmp_path / "wattserve_cpu_kernels_test2"
+    build_dir.mkdir()
+    lock = build_dir / "lock"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, time\n"
+            f"fd = os.open({str(lock)!r}, os.O_CREAT | os.O_EXCL)\n"  # as torch's FileBaton
+            "print('held', flush=True)\n"
+            "time.sleep(600)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(AssertionError, match="waited on torch's build lock"):
+            build_and_load("wattserve_cpu_kernels_test2", build_dir)
+        assert lock.exists() and stubbed_build == []
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+
+
 def test_a_load_without_a_leftover_lock_builds_and_leaves_no_lock(tmp_path, stubbed_build):
     build_dir = tmp_path / "fresh"
     build_and_load("wattserve_cpu_kernels_test1", build_dir)

@@ -15,8 +15,10 @@ engine's path calls it (the GPU never waits for a CPU build).
 A build holds our own `fcntl.flock` on `<build dir>/wattserve.lock`: the kernel releases it
 when its holder dies, unlike torch's own lock file (`<build dir>/lock`, which records no
 owner and stays behind when a build is killed mid-way, making every later load wait on
-it). Under our lock no other build of ours runs there, so a torch lock found then is stale
-and is removed (logged).
+it). Under our lock no other build of ours runs there; a torch lock found then is stale
+unless a live process still holds it open (torch keeps it open for its whole build: a
+process that loads without our lock, such as an older wattserve), and a stale one is
+removed (logged).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import platform
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import torch
 
 log = logging.getLogger(__name__)
@@ -115,7 +118,7 @@ def build_and_load(name: str, build_dir: Path) -> None:
     build_dir.mkdir(parents=True, exist_ok=True)
     with build_lock(build_dir):
         torch_lock = build_dir / _TORCH_LOCK_NAME
-        if torch_lock.exists():
+        if torch_lock.exists() and not _held_open(torch_lock):
             log.warning(
                 "C++ CPU kernels: removing the stale build lock %s (a build killed mid-way "
                 "left it; no build of ours runs now)",
@@ -132,6 +135,20 @@ def build_and_load(name: str, build_dir: Path) -> None:
             verbose=False,
         )
         os.utime(build_dir)  # last used now: the cache pruner keeps recent builds longest
+
+
+def _held_open(path: Path) -> bool:
+    """Whether another live process has `path` open (as far as this user can see)."""
+    target = str(path.resolve())
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        try:
+            if any(f.path == target for f in proc.open_files()):
+                return True
+        except (psutil.Error, OSError):
+            continue  # gone meanwhile, or another user's: not one of our builds
+    return False
 
 
 @contextlib.contextmanager
