@@ -141,3 +141,65 @@ def test_in_observe_mode_a_changed_knob_is_not_drift_until_the_loop_steers_again
     loop.set_policy(manual)
     tick(loop, clock)
     assert loop.knob_drift == {"power_limit_w": 1} and in_force(device)[0] == LIMIT_W
+
+
+def test_on_nvidia_a_lock_reset_by_nvidia_smi_is_drift_from_the_gpus_clocks(
+    tmp_path, monkeypatch
+) -> None:
+    """NVML cannot read a clock lock back: the loop sees `nvidia-smi -rgc` because the busy
+    GPU's clock leaves the lock, counts it once and writes the lock to the driver again;
+    an idle GPU's low clock is no drift."""
+    import sys
+
+    from tests.unit.test_device_nvml import GPU0, FakeClock, FakeGpu, FakeNvml
+
+    gpu = FakeGpu(**GPU0)
+    clock = FakeClock()
+    nvml = FakeNvml([gpu], clock)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml.module())
+    device = open_device(
+        DeviceConfig(backend="nvml", mode="control", gpu="0", state_dir=tmp_path), clock=clock
+    )
+    ctl = Controller(
+        Policy(BUDGET_W, 2000.0, 200.0, mode=ControlMode.MANUAL),
+        device_constraints(device, device.read()),
+        EngineConstraints(64, 512),
+        Knobs(64, 512, "fp32"),
+    )
+    ctl.set_manual_knobs(Knobs(64, 512, "fp32", sm_clock_mhz=CLOCK_MHZ))
+    events: list[tuple[str, str, dict]] = []
+    loop = ControlLoop(
+        ctl,
+        FakeEngine(),
+        device,
+        kv_bytes_per_token=1000,
+        clock=clock,
+        telemetry_source=device.read,
+        run_blocking=lambda f: f(),
+        event_sink=lambda kind, message, data: events.append((kind, message, data)),
+    )
+
+    def ticks(n: int) -> None:
+        for _ in range(n):
+            clock.now_s += 0.25
+            loop.tick()
+
+    def lock_writes() -> int:
+        return nvml.names().count("nvmlDeviceSetGpuLockedClocks")
+
+    ticks(8)
+    assert gpu.locked_mhz == (CLOCK_MHZ, CLOCK_MHZ) and lock_writes() == 1
+    gpu.util_gpu_pct, gpu.clock_event_mask, gpu.sm_clock_mhz = 0, 0x1, 345  # idle, low
+    ticks(8)
+    assert loop.knob_drift == {} and lock_writes() == 1
+    gpu.util_gpu_pct, gpu.clock_event_mask, gpu.sm_clock_mhz = 97, 0, None  # busy again
+
+    gpu.locked_mhz = None  # nvidia-smi -rgc
+    ticks(8)
+    assert loop.knob_drift == {"sm_clock_lock_mhz": 1}
+    assert lock_writes() == 2 and gpu.locked_mhz == (CLOCK_MHZ, CLOCK_MHZ)  # re-applied
+    (_, message, data), = events
+    assert data["knob"] == "sm_clock_lock_mhz" and "SM clock 1980 MHz" in message
+    ticks(8)
+    assert loop.knob_drift == {"sm_clock_lock_mhz": 1} and lock_writes() == 2
+    device.close()

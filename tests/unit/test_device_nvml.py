@@ -104,6 +104,10 @@ class FakeGpu:
     power_limit_settable: int | None = None  # an NVML error code the setter raises, if any
     clock_lock_settable: int | None = None
     clock_event_mask: int = 0x4 | 0x20
+    util_gpu_pct: int = 97
+    # The SM clock it runs at; None: the locked range's top, else its boost clock.
+    sm_clock_mhz: int | None = None
+    app_clock_mhz: int = 1755
     lost: bool = False
     generation: int = 0  # bumps when the GPU comes back; older handles go invalid
 
@@ -283,11 +287,16 @@ class FakeNvml:
         gpu = self._gpu(h)
         if clock_type == C.NVML_CLOCK_MEM:
             return 3201
+        if gpu.sm_clock_mhz is not None:
+            return gpu.sm_clock_mhz
         return gpu.locked_mhz[1] if gpu.locked_mhz else 1980
 
+    def nvmlDeviceGetApplicationsClock(self, h: FakeHandle, clock_type: int) -> int:
+        gpu = self._gpu(h)
+        return 3201 if clock_type == C.NVML_CLOCK_MEM else gpu.app_clock_mhz
+
     def nvmlDeviceGetUtilizationRates(self, h: FakeHandle) -> Any:
-        self._gpu(h)
-        return types.SimpleNamespace(gpu=97, memory=64)
+        return types.SimpleNamespace(gpu=self._gpu(h).util_gpu_pct, memory=64)
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, h: FakeHandle) -> int:
         return self._gpu(h).clock_event_mask
@@ -429,7 +438,7 @@ def test_reads_instant_power_energy_counter_and_clock_event_reasons(nvml, tmp_pa
     assert t.power_avg_w == pytest.approx(300.0) and t.power_avg_window_s == 1.0
     assert t.energy_j == pytest.approx(5_060.0)  # mJ counter -> J (second read)
     assert t.gpu_temp_c == 55 and t.memory_temp_c == 61 and t.thermal_margin_c == 32
-    assert t.sm_clock_mhz == 1980 and t.mem_clock_mhz == 3201
+    assert t.sm_clock_mhz == 1980 and t.mem_clock_mhz == 3201 and t.sm_app_clock_mhz == 1755
     assert (t.gpu_util_pct, t.mem_util_pct) == (97, 64)
     assert t.clock_event_reasons == ("SwPowerCap", "SwThermal")
     assert (t.power_limit_w, t.power_limit_min_w, t.power_limit_max_w) == (700, 200, 700)
@@ -610,6 +619,78 @@ def test_setter_targets_are_clamped_snapped_and_idempotent(nvml, tmp_path):
     assert len(nvml.setter_calls()) == sent
     with pytest.raises(ValueError):
         device.set_power_limit_w(float("nan"))
+    device.close()
+
+
+# -- the clock lock the GPU enforces (NVML cannot read a lock back) -----------------------
+
+
+def _reads(device, clock, seconds: float, step_s: float = 0.25):
+    """Telemetry read every step_s for `seconds` of the fake clock; the last reading."""
+    end = clock.now_s + seconds
+    t = device.read()
+    while clock.now_s < end:
+        clock.now_s += step_s
+        t = device.read()
+    return t
+
+
+def test_a_lock_reset_behind_the_daemon_is_seen_on_a_busy_gpu_and_written_again(
+    nvml, tmp_path, clock, caplog
+):
+    device = open_device(cfg(tmp_path), clock=clock)
+    assert device.lock_sm_clocks_mhz(1200, 1200).outcome is SetOutcome.APPLIED
+    assert _reads(device, clock, 3.0).sm_clock_lock_mhz == (1200, 1200)  # held at 1200
+
+    gpu = nvml.gpus[0]
+    gpu.locked_mhz = None  # `nvidia-smi -rgc`: the busy GPU boosts to 1980 MHz
+    assert device.read().sm_clock_lock_mhz == (1200, 1200)  # one reading is not enough
+    with caplog.at_level(logging.WARNING, logger="wattserve.daemon.device.nvml"):
+        t = _reads(device, clock, 1.0)
+    assert t.sm_clock_lock_mhz is None and t.sm_clock_mhz == 1980
+    assert any("1200-1200 MHz is no longer in force" in r.getMessage() for r in caplog.records)
+    assert any("busy at 1980 MHz" in r.getMessage() for r in caplog.records)
+
+    # Not "unchanged": the lock is written to the GPU again.
+    sent = nvml.names().count("nvmlDeviceSetGpuLockedClocks")
+    assert device.lock_sm_clocks_mhz(1200, 1200).outcome is SetOutcome.APPLIED
+    assert nvml.names().count("nvmlDeviceSetGpuLockedClocks") == sent + 1
+    assert gpu.locked_mhz == (1200, 1200)
+    assert _reads(device, clock, 3.0).sm_clock_lock_mhz == (1200, 1200)
+    device.close()
+
+
+def test_an_idle_gpu_or_a_capped_clock_does_not_contradict_the_lock(nvml, tmp_path, clock):
+    device = open_device(cfg(tmp_path), clock=clock)
+    device.lock_sm_clocks_mhz(1200, 1200)
+    gpu = nvml.gpus[0]
+    # Idle: the clock sits low (and may read anything) whatever the lock.
+    gpu.util_gpu_pct, gpu.clock_event_mask, gpu.sm_clock_mhz = 0, 0x1, 345
+    assert _reads(device, clock, 5.0).sm_clock_lock_mhz == (1200, 1200)
+    gpu.sm_clock_mhz = 1980
+    assert _reads(device, clock, 5.0).sm_clock_lock_mhz == (1200, 1200)
+    # Busy below the lock under a power cap or a thermal slowdown: the cap explains it.
+    gpu.util_gpu_pct, gpu.sm_clock_mhz = 100, 900
+    for mask in (0x4, 0x8, 0x20, 0x40, 0x80):
+        gpu.clock_event_mask = mask
+        assert _reads(device, clock, 3.0).sm_clock_lock_mhz == (1200, 1200), hex(mask)
+    # Busy below the lock with no cap: someone locked it lower.
+    gpu.clock_event_mask = 0
+    t = _reads(device, clock, 1.0)
+    assert t.sm_clock_lock_mhz is None
+    device.close()
+
+
+def test_a_brief_contradiction_is_not_drift(nvml, tmp_path, clock):
+    """A clock still settling after a write reads off the lock once or twice."""
+    device = open_device(cfg(tmp_path), clock=clock)
+    device.lock_sm_clocks_mhz(1200, 1200)
+    gpu = nvml.gpus[0]
+    for _ in range(5):
+        gpu.sm_clock_mhz = 1980
+        _reads(device, clock, 0.5)
+        gpu.sm_clock_mhz = None  # back at the locked 1200
+        assert _reads(device, clock, 0.25).sm_clock_lock_mhz == (1200, 1200)
     device.close()
 
 

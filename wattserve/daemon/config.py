@@ -130,6 +130,12 @@ class EngineConfig(_Section):
     cache_dir: Path | None = Field(
         None, description="Converted-weights cache; default $WATTSERVE_CACHE or ~/.cache/wattserve."
     )
+    cache_max_bytes: int = Field(
+        20 * 2**30,
+        gt=0,
+        description="Converted weights and C++ kernel builds together are pruned to this at "
+        "start, least recently used first (never the ones in use).",
+    )
     block_size_tokens: int = Field(16, gt=0, le=1024)
     kv_cache_bytes: int | None = Field(None, gt=0)
     kv_cache_memory_fraction: float = Field(0.10, gt=0, le=0.9)

@@ -6,8 +6,10 @@ snapshot), hands them to controller.observe(), applies the decision's knobs to t
 and the device (never in observe mode, and the device's own gate refuses setters in
 device observe mode anyway), and hands each decision to write-only sinks (events, MQTT,
 metrics). Device knobs are verified, not assumed: what the device took is compared with
-what it reads back each tick, and a knob changed behind the loop's back (someone ran
-nvidia-smi) or lost to a device re-initialisation is counted as drift and re-applied.
+what it reads back each tick (for an NVIDIA clock lock, which NVML cannot read back:
+whether the clocks the GPU enforces while busy still agree with it), and a knob changed
+behind the loop's back (someone ran nvidia-smi) or lost to a device re-initialisation is
+counted as drift and re-applied.
 Its clock, its sleep and the way blocking calls run are injected, so the same loop runs
 on a thread in the daemon and step by step in simulated time in a benchmark.
 It must not decide anything itself: every choice is the controller's.
@@ -505,11 +507,15 @@ class ControlLoop:
                 actual: Any = raw.power_limit_w
                 if actual is None or abs(actual - target) < _POWER_EQUAL_W:
                     continue
+                why = "the device reads back another value"
             else:
+                # On NVML this is the lock the GPU's own clocks still agree with (NVML
+                # cannot read a lock back): the clock it runs at says why not.
                 actual = raw.sm_clock_lock_mhz
                 if actual == target:
                     continue
-            self._drifted(knob, target, actual, "the device reads back another value")
+                why = f"the device reads back another value; SM clock {raw.sm_clock_mhz} MHz"
+            self._drifted(knob, target, actual, why)
 
     def _drifted(self, knob: Knob, target: Any, actual: Any, why: str) -> None:
         self._in_force.pop(knob, None)

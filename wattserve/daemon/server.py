@@ -47,6 +47,7 @@ from wattserve.daemon.control_loop import ControlLoop
 from wattserve.daemon.coupling import device_step_hook
 from wattserve.daemon.device import TelemetrySampler, open_device
 from wattserve.daemon.device.protocol import DeviceError
+from wattserve.daemon.engine.cache_prune import prune_engine_caches
 from wattserve.daemon.engine.engine import Engine, EngineOptions
 from wattserve.daemon.engine.loader import LoadError, load_model
 from wattserve.daemon.engine.placement import (
@@ -207,10 +208,14 @@ class Daemon:
         placement = resolve_placement(e.device, d.gpu, d.backend)
         log.info("engine device: %s (%s)", placement.device, placement.why)
         self._placement = placement
-        loaded = load_model(
-            e.model, e.cache_dir or default_cache_dir(), e.dtype, placement.device.type
-        )
-        return Engine(loaded, EngineOptions.from_config(e), placement.device)
+        cache_dir = e.cache_dir or default_cache_dir()
+        loaded = load_model(e.model, cache_dir, e.dtype, placement.device.type)
+        engine = Engine(loaded, EngineOptions.from_config(e), placement.device)
+        try:  # after the engine: its kernel build (CPU) is then in place and in use
+            prune_engine_caches(cache_dir, e.cache_max_bytes, loaded.cache_entry)
+        except Exception:  # pruning a cache must never stop a start
+            log.exception("cache pruning failed; continuing")
+        return engine
 
     # ---- shutdown requests -----------------------------------------------------------------
     def request_shutdown(self) -> None:

@@ -542,13 +542,19 @@ def int4_linear_nbytes(out_features: int, in_features: int, group_size: int) -> 
     return n * k // 2 + (k // group_size) * n * 2 * 2
 
 
-def linear_nbytes(out_features: int, in_features: int, level: QuantLevel) -> int:
-    """Resident weight bytes of one [out, in] linear at `level` on CPU (bias excluded);
-    what make_linear's result reports as .nbytes, known before building it."""
+def linear_nbytes(
+    out_features: int,
+    in_features: int,
+    level: QuantLevel,
+    device: torch.device | str = "cpu",
+) -> int:
+    """Resident weight bytes of one [out, in] linear at `level` on `device` (bias excluded);
+    what make_linear's result reports as .nbytes, known before building it. Off the CPU
+    the C++ kernels' layouts never apply, so nothing here builds or loads them there."""
     if level.kind == "dense":
         return out_features * in_features * level.bits // 8
     if level.kind == "int8":
-        return int8_linear_nbytes(out_features, in_features)
+        return int8_linear_nbytes(out_features, in_features, torch.device(device).type == "cpu")
     if level.kind == "int4":
         return int4_linear_nbytes(out_features, in_features, level.group_size)
     return _round_up(out_features, _FP8_MULTIPLE) * _round_up(in_features, _FP8_MULTIPLE) + 4

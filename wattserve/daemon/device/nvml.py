@@ -1,12 +1,15 @@
 """The real GPU backend, on NVML through nvidia-ml-py (module pynvml), imported lazily here.
 
 Selects one GPU by index, UUID or PCI bus id; reads power (the instantaneous field where
-the GPU has it, else nvmlDeviceGetPowerUsage), the energy counter, temperatures, clocks,
-utilization, clock-event reasons, power limits and the SM clock ladder; and writes the
-power limit and locked SM clocks when ManagedDevice asks. It keeps the daemon alive:
-NVML absent raises NvmlUnavailableError (the factory logs one line and falls back);
-NO_PERMISSION / NOT_SUPPORTED on a setter raise KnobUnavailableError (the knob becomes
-read-only); GPU_IS_LOST or a driver reload turn telemetry stale while the backend
+the GPU has it, else nvmlDeviceGetPowerUsage), the energy counter, temperatures, clocks
+(current and application SM clocks), utilization, clock-event reasons, power limits and
+the SM clock ladder; and writes the power limit and locked SM clocks when ManagedDevice
+asks. NVML cannot read a clock lock back: the lock reported is the one this process set
+for as long as the clocks the GPU enforces agree with it (clock_check.py), so a lock reset
+behind the daemon's back (`nvidia-smi -rgc`) is forgotten and the controller re-applies it.
+It keeps the daemon alive: NVML absent raises NvmlUnavailableError (the factory logs one
+line and falls back); NO_PERMISSION / NOT_SUPPORTED on a setter raise KnobUnavailableError
+(the knob becomes read-only); GPU_IS_LOST or a driver reload turn telemetry stale while the backend
 re-initialises with capped backoff and finds the GPU again by its PCI bus id.
 This module must not decide whether a setter may run (gate.py does) and must not
 write any state file (managed.py does).
@@ -23,6 +26,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Literal
 
+from wattserve.daemon.device.clock_check import LockWatch, check_lock
 from wattserve.daemon.device.protocol import (
     DeviceError,
     DeviceIdentity,
@@ -106,6 +110,7 @@ class NvmlBackend:
         self._reinit_attempts = 0
         self._unsupported: set[str] = set()
         self._known_lock_mhz: tuple[int, int] | None = None
+        self._lock_watch = LockWatch()
         self._last: Telemetry | None = None
         nv = self._nv
         self._refused_codes = {nv.NVML_ERROR_NO_PERMISSION, nv.NVML_ERROR_NOT_SUPPORTED}
@@ -198,7 +203,8 @@ class NvmlBackend:
             return mw / 1000.0 if mw is not None else None
 
     def current_sm_clock_lock_mhz(self) -> tuple[int, int] | None:
-        # NVML cannot read locked clocks back: this is what this process set.
+        # NVML cannot read locked clocks back: this is what this process set, forgotten
+        # once the GPU's own clocks contradict it (_check_known_lock).
         return self._known_lock_mhz
 
     def write_power_limit_w(self, power_limit_w: float) -> None:
@@ -213,10 +219,12 @@ class NvmlBackend:
             Knob.SM_CLOCKS, self._nv.nvmlDeviceSetGpuLockedClocks, int(min_mhz), int(max_mhz)
         )
         self._known_lock_mhz = (int(min_mhz), int(max_mhz))
+        self._lock_watch.reset()
 
     def write_sm_clock_unlock(self) -> None:
         self._write(Knob.SM_CLOCKS, self._nv.nvmlDeviceResetGpuLockedClocks)
         self._known_lock_mhz = None
+        self._lock_watch.reset()
 
     def record_engine_step(self, activity: EngineActivity) -> float:
         """A real GPU stretches nothing: the engine's own step time is the truth."""
@@ -390,8 +398,18 @@ class NvmlBackend:
         gpu_temp = self._query("gpu_temp", nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU)
         sm_clock = self._query("sm_clock", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM)
         mem_clock = self._query("mem_clock", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM)
+        app_clock = self._query(
+            "app_sm_clock", nv.nvmlDeviceGetApplicationsClock, h, nv.NVML_CLOCK_SM
+        )
         util = self._query("utilization", nv.nvmlDeviceGetUtilizationRates, h)
         mask = self._query("clock_event_reasons", self._reasons_fn, h)
+        self._check_known_lock(
+            now,
+            None if sm_clock is None else int(sm_clock),
+            None if util is None else float(util.gpu),
+            None if mask is None else int(mask),
+            None if app_clock is None else int(app_clock),
+        )
         limit_mw = self._query("power_limit", nv.nvmlDeviceGetPowerManagementLimit, h)
         margin = None
         if hasattr(nv, "nvmlDeviceGetMarginTemperature"):
@@ -410,6 +428,7 @@ class NvmlBackend:
             memory_temp_c=fields.get("memory_temp"),
             sm_clock_mhz=int(sm_clock) if sm_clock is not None else None,
             mem_clock_mhz=int(mem_clock) if mem_clock is not None else None,
+            sm_app_clock_mhz=int(app_clock) if app_clock is not None else None,
             gpu_util_pct=float(util.gpu) if util is not None else None,
             mem_util_pct=float(util.memory) if util is not None else None,
             clock_event_reasons_mask=int(mask) if mask is not None else None,
@@ -426,6 +445,30 @@ class NvmlBackend:
             slowdown_temp_c=float(self._slowdown_c) if self._slowdown_c is not None else None,
             thermal_margin_c=float(margin) if margin is not None else None,
         )
+
+    def _check_known_lock(
+        self,
+        now: float,
+        sm_clock_mhz: int | None,
+        gpu_util_pct: float | None,
+        reasons_mask: int | None,
+        app_clock_mhz: int | None,
+    ) -> None:
+        """Forget the lock this process set once the GPU's clocks have contradicted it
+        for a while: someone reset or replaced it, and it is to be written again."""
+        lock = self._known_lock_mhz
+        check = check_lock(lock, sm_clock_mhz, gpu_util_pct, reasons_mask, app_clock_mhz)
+        if not self._lock_watch.observe(now, check):
+            return
+        log.warning(
+            "device: the SM clock lock %s-%s MHz is no longer in force (%s): reset or "
+            "replaced outside this daemon",
+            lock[0],
+            lock[1],
+            check.why,
+        )
+        self._known_lock_mhz = None
+        self._lock_watch.reset()
 
     def _stale_snapshot(self, now: float) -> Telemetry:
         if self._last is None:
@@ -493,6 +536,7 @@ class NvmlBackend:
         self._lost = False
         # A driver reload drops locked clocks; the controller re-applies what it wants.
         self._known_lock_mhz = None
+        self._lock_watch.reset()
         log.warning(
             "device: GPU %s is back after %d re-initialisation attempt(s)",
             self._identity.uuid,

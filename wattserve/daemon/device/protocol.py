@@ -149,7 +149,10 @@ class Telemetry:
     power_w is instantaneous when power_w_is_instant, else the driver's default reading;
     power_avg_w is the device's own average over power_avg_window_s. Energy over a window
     must come from energy_j deltas (see energy_between_j), never from averaged power.
-    sm_clock_lock_mhz is the lock this daemon knows to be in force (None: none known).
+    sm_app_clock_mhz is the SM application clock (the target of a busy GPU with no lock).
+    sm_clock_lock_mhz is the lock this daemon set and still believes in force (None: none
+    known): NVML cannot read a lock back, so the NVML backend keeps it only while the
+    clocks the GPU enforces agree with it (device/clock_check.py).
     thermal_margin_c is the distance to the nearest thermal slowdown threshold.
     stale: older than two sampling periods, or the GPU is lost; hold, do not act on it.
     """
@@ -164,6 +167,7 @@ class Telemetry:
     memory_temp_c: float | None = None
     sm_clock_mhz: int | None = None
     mem_clock_mhz: int | None = None
+    sm_app_clock_mhz: int | None = None
     gpu_util_pct: float | None = None
     mem_util_pct: float | None = None
     clock_event_reasons_mask: int | None = None

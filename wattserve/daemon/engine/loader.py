@@ -47,6 +47,7 @@ class LoadedModel:
     dtype: torch.dtype
     load_time_s: float
     converted_now: bool  # True when this load dequantised a GGUF into the cache
+    cache_entry: Path | None = None  # the converted-weights directory it was loaded from
 
 
 def embedded_gguf_path() -> Path:
@@ -172,11 +173,22 @@ def load_model(
     else:
         model_dir = path
     hf_model, tok = _load_hf_dir(model_dir, dtype)
+    if gguf is not None:
+        os.utime(model_dir)  # last used now: the cache pruner keeps recent entries longest
     elapsed = time.perf_counter() - t0
     log.info(
         "loaded %s (%s) in %.1f s%s", name, dtype, elapsed, " with conversion" if converted else ""
     )
-    return LoadedModel(hf_model, tok, name, gguf or model_dir, dtype, elapsed, converted)
+    return LoadedModel(
+        hf_model,
+        tok,
+        name,
+        gguf or model_dir,
+        dtype,
+        elapsed,
+        converted,
+        model_dir if gguf is not None else None,
+    )
 
 
 def _first_line(e: BaseException) -> str:

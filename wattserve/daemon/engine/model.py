@@ -302,15 +302,15 @@ class LlamaModel:
         if level in self._levels:
             return self._levels[level].linear_bytes
         spec = parse_level(level)
-        s = self.shape
+        s, dev = self.shape, self.device
         qkv_out = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         per_layer = (
-            linear_nbytes(qkv_out, s.hidden_size, spec)
-            + linear_nbytes(s.hidden_size, s.num_heads * s.head_dim, spec)
-            + linear_nbytes(2 * s.intermediate_size, s.hidden_size, spec)
-            + linear_nbytes(s.hidden_size, s.intermediate_size, spec)
+            linear_nbytes(qkv_out, s.hidden_size, spec, dev)
+            + linear_nbytes(s.hidden_size, s.num_heads * s.head_dim, spec, dev)
+            + linear_nbytes(2 * s.intermediate_size, s.hidden_size, spec, dev)
+            + linear_nbytes(s.hidden_size, s.intermediate_size, spec, dev)
         )
-        head = linear_nbytes(s.vocab_size, s.hidden_size, head_level(spec))
+        head = linear_nbytes(s.vocab_size, s.hidden_size, head_level(spec), dev)
         return s.num_layers * per_layer + head
 
     def weight_bytes(self) -> int:
