@@ -31,7 +31,17 @@ REPO = Path(__file__).resolve().parents[1]
 ACL_EXAMPLE = REPO / "systemd" / "mosquitto-wattserve.acl"
 TEST_TIMEOUT_S = 30.0
 WAIT_S = 10.0
-USERS = {"wattserve": "daemon-secret", "fleet": "fleet-secret", "viewer": "viewer-secret"}
+# One broker user per node (named like the node id, as the ACL's %u patterns need), the
+# allocator, the site meter and a viewer.
+USERS = {
+    "acl": "acl-secret",
+    "web": "web-secret",
+    "batch": "batch-secret",
+    "mallory": "mallory-secret",  # a node of the broker, but not of the site's fleet
+    "fleet": "fleet-secret",
+    "site-meter": "meter-secret",
+    "viewer": "viewer-secret",
+}
 
 
 # ---- the broker ---------------------------------------------------------------------------

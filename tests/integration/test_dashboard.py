@@ -387,6 +387,7 @@ def publish_grant(port: int, payload: bytes) -> None:
 
 
 def test_dashboard_shows_the_fleet_grant_and_lease(broker, tiny_llama, browser, tmp_path):
+    from tests.fleet_keys import signed_grant, write_key
     from wattserve.daemon.config import FleetConfig
     from wattserve.daemon.mqtt.payloads import GrantPayload
 
@@ -400,14 +401,20 @@ def test_dashboard_shows_the_fleet_grant_and_lease(broker, tiny_llama, browser, 
                 reconnect_initial_ms=50,
                 reconnect_max_ms=300,
             ),
-            "fleet": FleetConfig(enabled=True, safe_floor_w=FLEET_FLOOR_W, demand_interval_ms=200),
+            "fleet": FleetConfig(
+                enabled=True,
+                safe_floor_w=FLEET_FLOOR_W,
+                demand_interval_ms=200,
+                key_file=write_key(tmp_path / "keys", FLEET_NODE),
+                insecure_lab_waiver=True,
+            ),
         }
     )
 
     def grant(epoch: int, budget_w: float, lease_s: float) -> GrantPayload:
         now_s = time.time()
-        return GrantPayload(
-            node_id=FLEET_NODE,
+        return signed_grant(
+            FLEET_NODE,
             budget_w=budget_w,
             epoch=epoch,
             expires_at_unix_s=now_s + lease_s,

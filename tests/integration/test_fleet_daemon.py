@@ -1,7 +1,8 @@
 """Two real daemons (tiny random Llama, virtual GPUs) and the fleet allocator on a real
-Mosquitto: grants become each node's power budget through the policy path, a stale retained
-grant is never applied, and with the allocator gone every node drops to its safe floor at
-lease expiry. Every wait is on a condition with a bounded timeout; nothing is timed.
+Mosquitto: grants become each node's power budget through the policy path, an HTTP PUT
+above the grant is put back at the next renewal, a stale retained grant is never applied,
+and with the allocator gone every node drops to its safe floor at lease expiry. Every wait
+is on a condition with a bounded timeout; nothing is timed.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import time
 import aiomqtt
 import httpx
 
-from tests.integration.test_mqtt_daemon import daemon_config, serving
+from tests.fleet_keys import signed_grant, write_key
+from tests.integration.test_mqtt_daemon import AUTH, daemon_config, serving
 from tests.mqtt_broker import Recorder, run, wait_until
-from wattserve.daemon.mqtt.payloads import GrantPayload
+from wattserve.daemon.config import Config
 from wattserve.fleet.leader import Role
 from wattserve.fleet.service import FleetService, FleetServiceConfig
 
@@ -27,16 +29,18 @@ WAIT_S = 30.0
 
 def fleet_daemon_config(port, node, tmp_path):
     cfg = daemon_config(port, node, tmp_path / node)
-    return cfg.model_copy(
-        update={
-            "fleet": cfg.fleet.model_copy(
-                update={"enabled": True, "safe_floor_w": SAFE_FLOOR_W, "demand_interval_ms": 200}
-            )
-        }
-    )
+    fleet = {
+        "enabled": True,
+        "safe_floor_w": SAFE_FLOOR_W,
+        "demand_interval_ms": 200,
+        "key_file": write_key(tmp_path / "keys", node),
+        "insecure_lab_waiver": True,  # an anonymous broker without TLS
+    }
+    # Validated as a whole, as the daemon's start does (control and auto modes).
+    return Config.model_validate({**cfg.model_dump(), "fleet": fleet})
 
 
-def allocator(port: int) -> FleetService:
+def allocator(port: int, tmp_path) -> FleetService:
     cfg = FleetServiceConfig.model_validate(
         {
             "allocator": {
@@ -46,11 +50,18 @@ def allocator(port: int) -> FleetService:
                 "grace_s": 1.0,
                 "raise_step_w": 500.0,
                 "instance_id": "test",
+                "insecure_lab_waiver": True,
             },
             "mqtt": {"host": "127.0.0.1", "port": port, "reconnect_initial_ms": 50},
             "nodes": [
-                {"node_id": "fa", "floor_w": 250, "ceiling_w": 700, "band": 1},
-                {"node_id": "fb", "floor_w": 250, "ceiling_w": 700, "band": 0},
+                {
+                    "node_id": node,
+                    "floor_w": 250,
+                    "ceiling_w": 700,
+                    "band": band,
+                    "key_file": str(tmp_path / "keys" / f"{node}.key"),
+                }
+                for node, band in (("fa", 1), ("fb", 0))
             ],
         }
     )
@@ -64,8 +75,8 @@ def fleet_status(srv) -> dict:
 
 def test_daemons_run_under_their_grants_and_fall_to_the_floor(broker, tmp_path, tiny_llama):
     async def body() -> None:
-        stale = GrantPayload(
-            node_id="fa",
+        stale = signed_grant(
+            "fa",
             budget_w=STALE_W,
             epoch=10**15,
             expires_at_unix_s=time.time() - 1,
@@ -81,7 +92,7 @@ def test_daemons_run_under_their_grants_and_fall_to_the_floor(broker, tmp_path, 
             links = {"fa": a.daemon.fleet, "fb": b.daemon.fleet}
             assert all(link is not None for link in links.values())
             await wait_until(lambda: links["fa"].counts["rejected"] >= 1, WAIT_S)
-            alloc = allocator(broker.port)
+            alloc = allocator(broker.port, tmp_path)
             stop = asyncio.Event()
             task = asyncio.create_task(alloc.run(stop))
             await wait_until(lambda: all(x.gate.in_force for x in links.values()), WAIT_S)
@@ -101,6 +112,25 @@ def test_daemons_run_under_their_grants_and_fall_to_the_floor(broker, tmp_path, 
                 assert (
                     loop.controller.policy.power_budget_w == srv.daemon.state.policy.power_budget_w
                 )
+            # An HTTP PUT above the grant is in force until the next renewal puts it back.
+            policy = await asyncio.to_thread(
+                lambda: httpx.get(f"{a.base_url}/v1/control/policy", headers=AUTH).json()
+            )
+            r = await asyncio.to_thread(
+                lambda: httpx.put(
+                    f"{a.base_url}/v1/control/policy",
+                    json={**policy, "power_budget_w": 699.0},
+                    headers=AUTH,
+                )
+            )
+            assert r.status_code == 200 and a.daemon.state.policy.power_budget_w == 699.0
+            await wait_until(
+                lambda: (
+                    links["fa"].gate.in_force is not None
+                    and a.daemon.state.policy.power_budget_w == links["fa"].gate.in_force.budget_w
+                ),
+                WAIT_S,
+            )
             granted = {n: x.gate.budget_w() for n, x in links.items()}
             assert sum(granted.values()) <= BUDGET_W + 1e-6
             # Both idle at their floors' need: the surplus goes to fa's higher band first.
@@ -123,6 +153,6 @@ def test_daemons_run_under_their_grants_and_fall_to_the_floor(broker, tmp_path, 
             ]
             budgets = {c["data"]["policy"]["power_budget_w"] for c in changes}
             assert STALE_W not in budgets and SAFE_FLOOR_W in budgets
-            assert max(budgets) <= 700.0
+            assert max(budgets) <= 700.0  # the PUT's 699 W is "http", not "fleet"
 
     run(body, 180)

@@ -513,8 +513,8 @@ def test_password_auth_and_acl_only_the_fleet_user_may_set_policy(auth_broker, t
         cfg = config(
             broker,
             node,
-            username="wattserve",
-            password_file=_password_file(tmp_path, USERS["wattserve"]),
+            username=node,  # one broker user per node (the ACL's %u)
+            password_file=_password_file(tmp_path, USERS[node]),
             accept_policy=True,
         )
         link = MqttLink(cfg, policy_handler=store)
@@ -555,7 +555,7 @@ def test_wrong_password_is_refused(auth_broker, tmp_path, caplog) -> None:
         cfg = config(
             broker,
             "intruder",
-            username="wattserve",
+            username="intruder",
             password_file=_password_file(tmp_path, "not-the-password"),
             reconnect_max_ms=100,
         )

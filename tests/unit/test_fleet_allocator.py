@@ -291,3 +291,95 @@ def test_a_node_whose_need_jumps_gets_its_fair_share_once_the_watts_are_free():
     grants = {g.node_id: g.budget_w for g in result.grants}
     assert grants["n1"] == pytest.approx(450, abs=1e-6)
     assert sum(grants.values()) <= 900 + 1e-6
+
+
+def ask(need_w: float, now_s: float, **kw) -> Demand:
+    args = dict(
+        need_w=need_w,
+        goodput_per_w=1.0,
+        device_min_w=0.0,
+        device_max_w=700.0,
+        power_w=None,
+        grant_epoch=None,
+        received_s=now_s,
+    )
+    return Demand(**{**args, **kw})
+
+
+def test_a_node_drawing_above_its_grant_is_charged_what_it_draws():
+    """n0 runs under a 300 W grant but draws 650 W (a limit not enforced yet, or a PUT):
+    the site sees watts, so n1 may only have what is left of them."""
+    alloc, _ = make_fleet(2, 1000.0, lease_s=7.0, grace_s=3.0)
+    now_s = 1_000.0
+    for _ in range(3):  # past the fresh allocator's warm-up charge of unknown nodes
+        alloc.observe_demand("n0", ask(300.0, now_s, power_w=650.0))
+        alloc.observe_demand("n1", ask(900.0, now_s))
+        result = alloc.round(now_s)
+        now_s += 7.0
+    assert result.nodes["n0"].charge_w == 650.0
+    grants = {g.node_id: g.budget_w for g in result.grants}
+    assert grants["n1"] <= 1000.0 - 650.0 + 1e-6
+    assert result.committed_w <= 1000.0 + 1e-6
+    # A report above the site's ceiling counts as the ceiling, no more.
+    alloc.observe_power("n0", 5_000.0)
+    assert alloc.round(now_s).nodes["n0"].charge_w == 700.0
+
+
+def test_floors_that_do_not_fit_are_never_granted():
+    """n2 fell silent drawing 700 W: with it charged, the floors of n0 and n1 no longer
+    fit the 1,000 W budget. No grant goes out (each node falls to its safe floor at its
+    lease's end) rather than floors over the budget."""
+    specs = [NodeSpec(f"n{i}", floor_w=300.0, ceiling_w=700.0) for i in range(3)]
+    params = AllocatorParams(site_budget_w=1000.0, period_s=PERIOD_S, lease_s=7.0, grace_s=3.0)
+    alloc = Allocator(specs, params, random.Random(1))
+    now_s = 1_000.0
+    alloc.observe_demand("n2", ask(700.0, now_s, power_w=700.0))
+    for node in ("n0", "n1"):
+        alloc.observe_demand(node, ask(300.0, now_s))
+    alloc.round(now_s)
+    now_s += 7.0  # n2 silent from here on
+    for node in ("n0", "n1"):
+        alloc.observe_demand(node, ask(300.0, now_s))
+    result = alloc.round(now_s)
+    assert result.nodes["n2"].state == "silent" and result.infeasible
+    assert result.grants == ()
+    assert result.committed_w > 1000.0  # what is owed, reported as it is
+
+
+def test_a_far_future_expiry_keeps_a_silent_node_charged_one_lease_at_most():
+    """A demand reporting a grant that expires in a year: once the node falls silent it is
+    released after one lease plus the grace from that demand, not a year later."""
+    alloc, _ = make_fleet(2, 1000.0, lease_s=7.0, grace_s=3.0)
+    now_s = 1_000.0
+    far = dict(grant_epoch=5, grant_w=690.0, grant_expires_s=now_s + 3.0e7, power_w=690.0)
+    alloc.observe_demand("n0", ask(700.0, now_s, **far))
+    alloc.observe_demand("n1", ask(700.0, now_s))
+    states = []
+    for _ in range(10):
+        alloc.observe_demand("n1", ask(700.0, now_s))
+        states.append((now_s - 1_000.0, alloc.round(now_s).nodes["n0"].state))
+        now_s += PERIOD_S
+    # Silent after demand_timeout_s (6 s); its last grant (issued then) runs 7 s, then 3 s.
+    released = [t for t, state in states if state == "released"]
+    assert released and released[0] <= 6.0 + 7.0 + 3.0 + PERIOD_S
+
+
+def test_a_reported_epoch_moves_only_that_nodes_epochs():
+    alloc, _ = make_fleet(2, 1000.0)
+    now_s = 1_000.0
+    alloc.observe_demand("n0", ask(300.0, now_s, grant_epoch=10**14, grant_w=300.0))
+    alloc.observe_demand("n1", ask(300.0, now_s))
+    epochs = {g.node_id: g.epoch for g in alloc.round(now_s).grants}
+    assert epochs["n0"] == 10**14 + 1  # n0 accepts it
+    assert epochs["n1"] == int(now_s * 1000)  # n1's grants are not dragged along
+
+
+def test_a_reported_floor_above_the_sites_does_not_raise_it():
+    alloc, _ = make_fleet(2, 1000.0)
+    now_s = 1_000.0
+    for node in ("n0", "n1"):
+        alloc.observe_demand(node, ask(100.0, now_s, device_min_w=700.0))
+    result = alloc.round(now_s)
+    # Floors of 700 W each would not fit the 1,000 W budget: the site's 100 W hold.
+    assert not result.infeasible and len(result.grants) == 2
+    assert sum(g.budget_w for g in result.grants) <= 1000.0 + 1e-6

@@ -167,7 +167,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_fleet(args: argparse.Namespace) -> int:
-    from wattserve.daemon import fleet_service
+    from wattserve.fleet import service as fleet_service
 
     return fleet_service.main(args.config)
 

@@ -391,12 +391,47 @@ class FleetConfig(_Section):
     need_margin_ratio: float = Field(
         0.1, ge=0, le=1, description="Asked for on top of the power the SLOs need now."
     )
+    key_file: Path | None = Field(
+        None,
+        description="This node's HMAC key (mode 0600), which the allocator also holds: signs "
+        "demands, verifies grants. Required when enabled.",
+    )
+    previous_key_file: Path | None = Field(
+        None, description="During a key rotation: the old key, still accepted on grants."
+    )
+    max_clock_skew_s: float = Field(
+        5.0,
+        gt=0,
+        le=60,
+        description="A grant issued further ahead of this node's clock is refused.",
+    )
+    insecure_lab_waiver: bool = Field(
+        False,
+        description="Lab only: run the fleet without broker credentials or TLS (logged as a "
+        "WARNING at start). Grants and demands are still signed.",
+    )
 
     @model_validator(mode="after")
     def _check_floor(self) -> FleetConfig:
         if self.enabled and self.safe_floor_w is None:
             raise ValueError("enabled = true needs safe_floor_w (the budget after a lease)")
+        if self.enabled and self.key_file is None:
+            raise ValueError("enabled = true needs key_file (this node's signing key)")
+        if self.previous_key_file is not None and self.key_file is None:
+            raise ValueError("previous_key_file is set but key_file is not")
         return self
+
+
+def fleet_transport_problems(mqtt: MqttConfig) -> list[str]:
+    """What the broker connection lacks for a fleet: credentials, TLS (empty: nothing)."""
+    problems = []
+    if not mqtt.authenticated:
+        problems.append(
+            "no broker credentials (mqtt.username with mqtt.password_file, or mqtt.tls_cert_file)"
+        )
+    if not mqtt.tls_enabled:
+        problems.append("no TLS to the broker (mqtt.tls_enabled)")
+    return problems
 
 
 class Config(BaseSettings):
@@ -421,9 +456,35 @@ class Config(BaseSettings):
     def _check_limits(self) -> Config:
         if self.engine.max_num_batched_tokens < self.engine.block_size_tokens:
             raise ValueError("engine.max_num_batched_tokens must be >= engine.block_size_tokens")
-        if self.fleet.enabled and not self.mqtt.enabled:
-            raise ValueError("fleet.enabled needs mqtt.enabled (grants come over the broker)")
+        if self.fleet.enabled:
+            self._check_fleet()
         return self
+
+    def _check_fleet(self) -> None:
+        """A fleet node must enforce its grants and speak only for itself on the broker."""
+        if not self.mqtt.enabled:
+            raise ValueError("fleet.enabled needs mqtt.enabled (grants come over the broker)")
+        # In observe mode a grant would never reach the GPU: the site budget would not hold.
+        if self.device.mode != "control":
+            raise ValueError(
+                f'fleet.enabled needs device.mode = "control", not "{self.device.mode}"'
+            )
+        if self.controller.mode != "auto":
+            raise ValueError(
+                f'fleet.enabled needs controller.mode = "auto", not "{self.controller.mode}"'
+            )
+        problems = fleet_transport_problems(self.mqtt)
+        if problems and not self.fleet.insecure_lab_waiver:
+            raise ValueError(
+                f"fleet.enabled with {'; '.join(problems)}: configure them, or set "
+                "fleet.insecure_lab_waiver = true for a lab"
+            )
+        node_id, username = self.mqtt.node_id, self.mqtt.username
+        if node_id is not None and username is not None and node_id != username:
+            raise ValueError(
+                f"fleet.enabled needs mqtt.username to be the node id: {username!r} is not "
+                f"mqtt.node_id {node_id!r} (the broker's ACL keys each node's topics on it)"
+            )
 
 
 def _check_env_names(environ: dict[str, str]) -> None:

@@ -171,7 +171,12 @@ class Daemon:
         )
 
     def _fleet_budget(self, power_budget_w: float, why: str) -> None:
-        """A grant (or the safe floor) as power_budget_w: the HTTP PUT's path, by "fleet"."""
+        """A grant (or the safe floor) as power_budget_w: the HTTP PUT's path, by "fleet".
+
+        Called on every renewal too: a budget already in force changes nothing (no event),
+        one set otherwise since (an HTTP PUT) is put back to the grant."""
+        if to_model(self.state.policy).power_budget_w == power_budget_w:
+            return
         self.state.apply_policy(PolicyPatch(power_budget_w=power_budget_w), changed_by="fleet")
         log.info("%s: power budget %.0f W", why, power_budget_w)
 

@@ -2,7 +2,10 @@
 
 It owns what one round cannot know: the grants issued and not yet superseded (a node may
 still run under an older, larger one), which nodes went silent, hysteresis, the slow and
-jittered pace of give-backs, and the site meter's emergency cut. The target of a round is
+jittered pace of give-backs, and the site meter's emergency cut. A node's floor and ceiling
+are the site's (NodeSpec): what a node reports only narrows them, its measured power is
+charged when above its grant, and what it reports of its grant is bounded by one lease.
+The target of a round is
 `wattserve.fleet.allocation.allocate`. Time and randomness are injected (`now_s`, `rng`); it
 must not read a clock, sleep, publish or log: the service (wattserve/fleet/service.py) does the I/O.
 """
@@ -12,7 +15,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from wattserve.fleet.allocation import InfeasibleFloors, NodeAsk, allocate
 
@@ -131,7 +134,9 @@ class Round:
     committed_w: float  # worst case: every node at the larger of its charge and new grant
     headroom_w: float  # site budget minus committed_w
     emergency: bool
-    infeasible: bool  # floors plus silent charges exceed the budget: floors granted
+    # Floors plus the charges of silent and unknown nodes exceed the budget: no grant is
+    # issued this round (the nodes fall to their safe floors as their leases run out).
+    infeasible: bool
 
 
 @dataclass
@@ -139,6 +144,7 @@ class _Ledger:
     issued: list[tuple[int, float, float]] = field(default_factory=list)  # epoch, W, expires
     demand: Demand | None = None
     last_power_w: float | None = None
+    epoch: int = -1  # the last epoch granted to this node (epochs rise per node)
 
 
 class Allocator:
@@ -177,20 +183,30 @@ class Allocator:
         return tuple(self._specs)
 
     def observe_demand(self, node_id: str, demand: Demand) -> bool:
-        """Record a node's demand; False (ignored) for a node not in the config."""
+        """Record a node's demand; False (ignored) for a node not in the config.
+
+        What the node says of the grant it holds counts for one lease after its arrival
+        at most: a far-future expiry must not keep a node charged once it falls silent."""
         ledger = self._ledgers.get(node_id)
         if ledger is None:
             return False
+        spec = self._specs[node_id]
+        if demand.grant_expires_s is not None:
+            bound_s = demand.received_s + self._params.lease_s
+            demand = replace(demand, grant_expires_s=min(demand.grant_expires_s, bound_s))
+        if demand.grant_w is not None:
+            demand = replace(demand, grant_w=min(demand.grant_w, spec.ceiling_w))
         ledger.demand = demand
         if demand.power_w is not None:
-            ledger.last_power_w = demand.power_w
+            self.observe_power(node_id, demand.power_w)
         return True
 
     def observe_power(self, node_id: str, power_w: float) -> None:
-        """A node's measured power from its telemetry (charged while it is silent)."""
+        """A node's measured power (its demand or telemetry), up to its ceiling: charged
+        when above its grant, and while it is silent."""
         ledger = self._ledgers.get(node_id)
         if ledger is not None and math.isfinite(power_w):
-            ledger.last_power_w = power_w
+            ledger.last_power_w = min(max(power_w, 0.0), self._specs[node_id].ceiling_w)
 
     def observe_site_power(self, power_w: float, time_s: float) -> None:
         """The site meter's reading."""
@@ -201,14 +217,7 @@ class Allocator:
         p = self._params
         if self._started_s is None:
             self._started_s = now_s
-        # Above any epoch a node reports, too: a predecessor's clock may run ahead of ours,
-        # and a node refuses every grant of a lower epoch than the one it runs under.
-        reported = [
-            ledger.demand.grant_epoch
-            for ledger in self._ledgers.values()
-            if ledger.demand is not None and ledger.demand.grant_epoch is not None
-        ]
-        self._epoch = max(self._epoch + 1, int(now_s * 1000), max(reported, default=-1) + 1)
+        self._epoch = max(self._epoch + 1, int(now_s * 1000))
         states: dict[str, str] = {}
         charges: dict[str, float] = {}
         for node, ledger in self._ledgers.items():
@@ -245,9 +254,11 @@ class Allocator:
             )
         if fixed_w + sum(grants_w.values()) > p.site_budget_w:
             grants_w = {n: min(grants_w[n], targets[n]) for n in active}
+        if infeasible:
+            grants_w = {}  # floors that do not fit are never granted
 
         def committed() -> float:
-            return fixed_w + sum(max(charges[n], grants_w[n]) for n in active)
+            return fixed_w + sum(max(charges[n], grants_w.get(n, 0.0)) for n in active)
 
         if raising_allowed and not infeasible:
             order = sorted(active, key=lambda n: (-asks[n].band, -asks[n].goodput_per_w, n))
@@ -270,9 +281,15 @@ class Allocator:
                 grants_w[n] += max(0.0, min(want, step, room_n))
 
         grants = []
-        for n in active:
-            grant = Grant(n, grants_w[n], self._epoch, now_s + p.lease_s)
-            self._ledgers[n].issued.append((grant.epoch, grant.budget_w, grant.expires_s))
+        for n in grants_w:
+            ledger = self._ledgers[n]
+            # Above the epoch the node reports, too (a predecessor's clock may run ahead of
+            # ours, and a node refuses a grant older than the one it runs under); per node,
+            # so that one node's report moves only its own epochs.
+            reported = ledger.demand.grant_epoch if ledger.demand is not None else None
+            ledger.epoch = max(self._epoch, ledger.epoch + 1, (reported or -1) + 1)
+            grant = Grant(n, grants_w[n], ledger.epoch, now_s + p.lease_s)
+            ledger.issued.append((grant.epoch, grant.budget_w, grant.expires_s))
             grants.append(grant)
         committed_w = committed()
         nodes = {
@@ -287,7 +304,7 @@ class Allocator:
         }
         return Round(
             time_s=now_s,
-            epoch=self._epoch,
+            epoch=max((g.epoch for g in grants), default=self._epoch),
             grants=tuple(grants),
             nodes=nodes,
             committed_w=committed_w,
@@ -341,17 +358,20 @@ class Allocator:
             last_w = ledger.issued[-1][1] if ledger.issued else spec.floor_w
             if demand is not None and demand.grant_w is not None:
                 last_w = max(last_w, demand.grant_w)
-            charge = max(charge, last_w, ledger.last_power_w or 0.0)
-        # A device whose limit cannot go below its minimum is charged that minimum.
-        if ledger.demand is not None:
-            charge = max(charge, min(ledger.demand.device_min_w, spec.ceiling_w))
+            charge = max(charge, last_w)
+        # A node drawing more than its grant (not yet enforced, or a limit it cannot reach)
+        # is charged what it draws: the site meter sees watts, not grants.
+        charge = max(charge, ledger.last_power_w or 0.0)
         return max(charge, spec.floor_w)
 
     def _ask(self, node: str) -> NodeAsk:
         spec = self._specs[node]
         demand = self._ledgers[node].demand
         assert demand is not None  # active nodes have one
-        floor_w = max(spec.floor_w, min(demand.device_min_w, spec.ceiling_w))
+        # The site's floor, whatever the node reports (a reported floor at its ceiling once
+        # made the floors overflow the budget and still be granted); a reported maximum
+        # below the site's ceiling narrows the range.
+        floor_w = spec.floor_w
         ceiling_w = max(floor_w, min(spec.ceiling_w, demand.device_max_w))
         return NodeAsk(
             band=spec.band,

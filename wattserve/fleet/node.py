@@ -5,7 +5,9 @@ the safe floor once the lease runs out); node_demand turns the live telemetry sn
 the demand; FleetNodeLink is the MQTT 5 connection that carries both. A grant reaches the
 controller only through `apply_budget`, which the daemon wires to ServingState.apply_policy
 (changed_by "fleet"), the same path as an HTTP PUT. It must not touch the device, the
-engine or the controller itself, and holds no policy of its own.
+engine or the controller itself, and holds no policy of its own. Every grant is verified
+(its node's HMAC, its epoch, its issue and expiry times) before it counts, and every
+demand is signed (wattserve.fleet.signing).
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ from dataclasses import dataclass
 
 import aiomqtt
 
-from wattserve.daemon.config import FleetConfig, MqttConfig
+from wattserve.daemon.config import (
+    ConfigError,
+    FleetConfig,
+    MqttConfig,
+    fleet_transport_problems,
+)
 from wattserve.daemon.mqtt.link import Backoff, read_password_file, tls_context
 from wattserve.daemon.mqtt.payloads import (
     DemandPayload,
@@ -32,18 +39,24 @@ from wattserve.daemon.mqtt.payloads import (
     parse_grant,
     resolve_node_id,
 )
+from wattserve.fleet.keys import read_key_ring
+from wattserve.fleet.signing import KeyRing, freshness_error, sign, verify
 
 log = logging.getLogger("wattserve.fleet")
 
 # The SLO pressure that asks for more power is clamped: one bad window must not ask for
 # the whole device, and an idle node keeps a useful minimum.
 _PRESSURE_MIN, _PRESSURE_MAX = 0.5, 2.0
+# A demand is taken for a few of its intervals at most (the allocator refuses it after).
+_DEMAND_VALID_INTERVALS = 3
 
 
 @dataclass(frozen=True)
 class GrantVerdict:
     applied: bool
-    reason: str  # "applied", "renewed", "expired", "older_epoch", "other_node"
+    # "applied", "renewed", "expired", "older_epoch", "other_node", "invalid", "bad_signature",
+    # "stale"
+    reason: str
 
 
 class GrantGate:
@@ -76,8 +89,13 @@ class GrantGate:
         renewed = self._grant is not None and self._grant.budget_w == grant.budget_w
         self._grant = grant
         self._last_epoch = grant.epoch
+        # Held no longer than the lease as issued, counted from its issue where this clock
+        # says it is already past (a retained copy delivered late) and from its arrival
+        # where this clock runs behind the allocator's: the allocator gives the watts away
+        # after its own expiry plus its grace, whichever clock is right.
+        issued_lease_s = grant.expires_at_unix_s - grant.issued_at_unix_s
         self._lease_end_mono_s = now_mono_s + min(
-            grant.expires_at_unix_s - now_unix_s, self.max_lease_s
+            grant.expires_at_unix_s - now_unix_s, issued_lease_s, self.max_lease_s
         )
         return GrantVerdict(True, "renewed" if renewed else "applied")
 
@@ -103,6 +121,9 @@ def node_demand(
     device_max_w: float | None,
     grant: GrantPayload | None,
     margin_ratio: float,
+    epoch: int = 0,
+    issued_at_unix_s: float | None = None,
+    valid_s: float = 3.0,
 ) -> DemandPayload:
     """The demand from one telemetry snapshot.
 
@@ -113,7 +134,8 @@ def node_demand(
     p99 / its SLO; 1 when nothing finished, or the node is idle), plus a margin; a queue of
     waiting requests counts as pressure of at least 1.25. goodput_per_w is the window's
     goodput (tokens/s x SLO attainment) over its power: the average, as the allocator's
-    proxy for the marginal value of a watt here.
+    proxy for the marginal value of a watt here. Unsigned: epoch and issued_at_unix_s
+    (default: the snapshot's time) are the caller's, valid_s its life.
     """
     dev, lat, serving = snapshot.device, snapshot.latency, snapshot.serving
     policy = snapshot.policy or {}
@@ -147,9 +169,12 @@ def node_demand(
         if grant is not None
         else None
     )
+    issued_s = snapshot.time_unix_s if issued_at_unix_s is None else issued_at_unix_s
     return DemandPayload(
         node_id=node_id,
-        time_unix_s=snapshot.time_unix_s,
+        epoch=epoch,
+        issued_at_unix_s=issued_s,
+        expires_at_unix_s=issued_s + valid_s,
         need_w=need_w,
         goodput_per_w=goodput_per_w,
         floor_w=floor_w,
@@ -182,9 +207,26 @@ class FleetNodeLink:
         monotonic: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
-        assert fleet.safe_floor_w is not None  # FleetConfig checks it when enabled
+        # FleetConfig checks these when enabled.
+        assert fleet.safe_floor_w is not None and fleet.key_file is not None
         self.mqtt_cfg, self.cfg = mqtt, fleet
         self.node_id = resolve_node_id(mqtt)
+        if mqtt.username is not None and mqtt.username != self.node_id:
+            # The ACL keys a node's topics on its username: another node's id cannot work.
+            raise ConfigError(
+                f"config error: mqtt.username: {mqtt.username!r} is not this node's id "
+                f"{self.node_id!r} (fleet nodes log in as their node id)"
+            )
+        self.keys: KeyRing = read_key_ring(
+            fleet.key_file, fleet.previous_key_file, "fleet.key_file"
+        )
+        problems = fleet_transport_problems(mqtt)
+        if problems and not fleet.insecure_lab_waiver:
+            raise ConfigError(
+                f"config error: fleet.enabled with {'; '.join(problems)}: configure them, or "
+                "set fleet.insecure_lab_waiver = true for a lab"
+            )
+        self._waived = problems
         self.topics = Topics.for_node(mqtt.topic_prefix, self.node_id)
         self.client_id = f"{mqtt.client_id or f'wattserve-{self.node_id}'}-fleet"
         self.gate = GrantGate(self.node_id, fleet.safe_floor_w, fleet.max_lease_s)
@@ -199,6 +241,7 @@ class FleetNodeLink:
             mqtt.reconnect_initial_ms / 1000, mqtt.reconnect_max_ms / 1000, rng or random.Random()
         )
         self.counts = {"applied": 0, "renewed": 0, "rejected": 0, "lease_expired": 0}
+        self._demand_epoch = 0
         self._floor_source = "safe_floor_no_grant_yet"  # why the node runs at its floor
         self.connected = False
         self._client: aiomqtt.Client | None = None
@@ -223,6 +266,12 @@ class FleetNodeLink:
         }
 
     async def start(self) -> None:
+        if self._waived:
+            log.warning(
+                "fleet: insecure_lab_waiver: running with %s; anyone who can reach the "
+                "broker can read and delay this node's grants (signatures still checked)",
+                " and ".join(self._waived),
+            )
         # Until a live grant arrives the node runs at its safe floor: it cannot know the
         # budget it had before (a restart), and the allocator charges it no more.
         self._apply_budget(self.gate.safe_floor_w, "fleet: no grant yet, safe floor")
@@ -245,21 +294,38 @@ class FleetNodeLink:
         self._tasks = []
 
     def on_grant(self, payload: bytes) -> GrantVerdict:
-        """One `grant` message (retained or live: the gate judges it by epoch and expiry)."""
+        """One `grant` message (retained or live): applied only if it is signed with this
+        node's key for this topic, fresh, and of a newer epoch. Every grant applied is
+        applied again, renewals too, so that a budget set by other means (an HTTP PUT)
+        never stays above the grant for longer than a period."""
         try:
             grant = parse_grant(payload)
         except ValueError as e:
-            self.counts["rejected"] += 1
-            log.warning("fleet: grant rejected: %s", str(e).splitlines()[0])
-            return GrantVerdict(False, "invalid")
-        verdict = self.gate.offer(grant, self._clock(), self._monotonic())
+            return self._refuse(GrantVerdict(False, "invalid"), str(e).splitlines()[0])
+        if not verify(grant, self.topics.grant, self.keys):
+            return self._refuse(
+                GrantVerdict(False, "bad_signature"), f"epoch {grant.epoch}: bad signature"
+            )
+        now_s = self._clock()
+        stale = freshness_error(
+            grant.issued_at_unix_s,
+            grant.expires_at_unix_s,
+            now_s,
+            skew_s=self.cfg.max_clock_skew_s,
+            max_life_s=self.cfg.max_lease_s,
+        )
+        if stale is not None:
+            return self._refuse(GrantVerdict(False, "stale"), f"epoch {grant.epoch}: {stale}")
+        verdict = self.gate.offer(grant, now_s, self._monotonic())
         if not verdict.applied:
-            self.counts["rejected"] += 1
-            log.info("fleet: grant epoch %d not applied (%s)", grant.epoch, verdict.reason)
-            return verdict
+            return self._refuse(verdict, f"epoch {grant.epoch}: {verdict.reason}")
         self.counts[verdict.reason] += 1
-        if verdict.reason == "applied":
-            self._apply_budget(grant.budget_w, f"fleet: grant epoch {grant.epoch}")
+        self._apply_budget(grant.budget_w, f"fleet: grant epoch {grant.epoch}")
+        return verdict
+
+    def _refuse(self, verdict: GrantVerdict, why: str) -> GrantVerdict:
+        self.counts["rejected"] += 1
+        log.warning("fleet: grant refused: %s", why)
         return verdict
 
     def check_lease(self) -> bool:
@@ -279,7 +345,10 @@ class FleetNodeLink:
         if got is None:
             return None
         snapshot, device_min_w, device_max_w = got
-        return node_demand(
+        now_s = self._clock()
+        # Epochs only rise: the allocator refuses a demand that is not newer than the last.
+        self._demand_epoch = max(self._demand_epoch + 1, int(now_s * 1000))
+        demand = node_demand(
             self.node_id,
             snapshot,
             safe_floor_w=self.gate.safe_floor_w,
@@ -287,7 +356,11 @@ class FleetNodeLink:
             device_max_w=device_max_w,
             grant=self.gate.in_force,
             margin_ratio=self.cfg.need_margin_ratio,
+            epoch=self._demand_epoch,
+            issued_at_unix_s=now_s,
+            valid_s=_DEMAND_VALID_INTERVALS * self.cfg.demand_interval_ms / 1000,
         )
+        return sign(demand, self.topics.demand, self.keys)
 
     async def _keep_lease(self) -> None:
         """The lease, on its own task: nothing the link waits on (a publish into a dead

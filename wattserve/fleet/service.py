@@ -5,8 +5,11 @@ MQTT 5, listens to every node's `demand` and `telemetry`, the leader claim and t
 site meter, and once per period, while it is the leader (wattserve.fleet.leader), runs one
 allocation round (wattserve.fleet.allocator) and publishes each grant retained with a message expiry
 equal to the lease; it writes the round to a JSON status file. The decisions are the pure
-core's; this module only wires them to the broker, the clock and the file system. It must
-not talk to a node any other way than through the broker.
+core's; this module only wires them to the broker, the clock and the file system. Every
+message is bounded (bytes, nesting, numbers) and a demand counts only if signed with its
+node's key, fresh and newer than the last (docs/fleet.md, *Trust*); each refusal is one
+log line. It pings the systemd watchdog from its loop. It must not talk to a node any
+other way than through the broker.
 """
 
 from __future__ import annotations
@@ -30,9 +33,18 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from wattserve.daemon.config import ConfigError, MqttConfig
+from wattserve.daemon.config import ConfigError, MqttConfig, fleet_transport_problems
 from wattserve.daemon.mqtt.link import Backoff, read_password_file, tls_context
-from wattserve.daemon.mqtt.payloads import DemandPayload, GrantPayload, Topics
+from wattserve.daemon.mqtt.payloads import (
+    MAX_FLEET_BYTES,
+    MAX_TELEMETRY_BYTES,
+    MAX_TELEMETRY_DEPTH,
+    GrantPayload,
+    Topics,
+    parse_demand,
+    parse_json,
+)
+from wattserve.daemon.sdnotify import Notifier
 from wattserve.fleet.allocator import (
     Allocator,
     AllocatorParams,
@@ -41,11 +53,15 @@ from wattserve.fleet.allocator import (
     NodeSpec,
     Round,
 )
+from wattserve.fleet.keys import read_key_ring
 from wattserve.fleet.leader import Leadership, Role
+from wattserve.fleet.ratelimit import RateLimiter
+from wattserve.fleet.signing import KeyRing, freshness_error, sign, verify
 
 log = logging.getLogger("wattserve.fleet")
 
 FLEET_LEVEL = "_fleet"  # a topic level no node id can take (node ids start alphanumeric)
+MAX_SITE_W = 1e9  # a site meter reading beyond this is not one
 
 
 class _Section(BaseModel):
@@ -74,6 +90,15 @@ class AllocatorSection(_Section):
     emergency_hold_s: float = Field(10.0, ge=0)
     instance_id: str | None = Field(None, description="Unset: the hostname and the pid.")
     status_file: Path | None = Field(None, description="The JSON status, rewritten each round.")
+    max_clock_skew_s: float = Field(
+        5.0, gt=0, le=60, description="A demand issued further ahead of this clock is refused."
+    )
+    max_messages_per_node_per_s: float = Field(
+        20.0, gt=0, description="Demands and telemetry a node may send; bursts of twice this."
+    )
+    insecure_lab_waiver: bool = Field(
+        False, description="Lab only: run without broker credentials or TLS (logged at start)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> AllocatorSection:
@@ -89,6 +114,14 @@ class NodeSection(_Section):
     floor_w: float = Field(..., gt=0, description="At least the node's fleet.safe_floor_w.")
     ceiling_w: float = Field(..., gt=0)
     band: int = Field(0, ge=0, le=9, description="Priority band: higher is cut last.")
+    key_file: Path = Field(..., description="The node's HMAC key (mode 0600), as on the node.")
+    previous_key_file: Path | None = Field(None, description="During a rotation: the old key.")
+
+    @model_validator(mode="after")
+    def _check(self) -> NodeSection:
+        if self.ceiling_w < self.floor_w:
+            raise ValueError(f"node {self.node_id}: ceiling_w must be >= floor_w")
+        return self
 
 
 class FleetServiceConfig(_Section):
@@ -106,6 +139,12 @@ class FleetServiceConfig(_Section):
             raise ValueError(
                 f"node floors sum to {floors_w:g} W, over allocator.site_budget_w "
                 f"{self.allocator.site_budget_w:g} W: refusing to start (fail closed)"
+            )
+        problems = fleet_transport_problems(self.mqtt)
+        if problems and not self.allocator.insecure_lab_waiver:
+            raise ValueError(
+                f"{'; '.join(problems)}: the allocator needs both, or "
+                "allocator.insecure_lab_waiver = true for a lab"
             )
         return self
 
@@ -232,6 +271,17 @@ class FleetService:
             read_password_file(cfg.mqtt.password_file) if cfg.mqtt.password_file else None
         )
         self._tls = tls_context(cfg.mqtt)
+        self._keys: dict[str, KeyRing] = {
+            n.node_id: read_key_ring(n.key_file, n.previous_key_file, f"nodes.{n.node_id}.key_file")
+            for n in cfg.nodes
+        }
+        self._specs = {n.node_id: n for n in cfg.nodes}
+        self._last_demand_epoch: dict[str, int] = {}
+        self._rate = RateLimiter(a.max_messages_per_node_per_s, 2 * a.max_messages_per_node_per_s)
+        self._unknown_logged: set[str] = set()
+        self._clamps: dict[tuple[str, str], float] = {}  # the last clamp logged per field
+        self.refusals = 0
+        self.notifier = Notifier.from_environ()
         self._backoff = Backoff(
             cfg.mqtt.reconnect_initial_ms / 1000, cfg.mqtt.reconnect_max_ms / 1000, self._rng
         )
@@ -242,50 +292,134 @@ class FleetService:
 
     def on_message(self, topic: str, payload: bytes) -> None:
         now_s = self._clock()
-        levels = topic.split("/")
         if topic == self.leader_topic:
-            claim = _json(payload)
+            claim = self._bounded_json(topic, payload, MAX_FLEET_BYTES, 2)
             instance = claim.get("instance_id") if isinstance(claim, dict) else None
             self.leadership.on_claim(instance if isinstance(instance, str) else None, now_s)
             return
         meter = self.cfg.allocator.site_meter_topic
         if meter is not None and topic == meter:
-            power_w = _site_power(payload)
+            power_w = _site_power(self._bounded_json(topic, payload, MAX_FLEET_BYTES, 2))
             if power_w is not None:
                 self.allocator.observe_site_power(power_w, now_s)
             return
+        levels = topic.split("/")
         if len(levels) < 3 or levels[-2] == FLEET_LEVEL:
             return
         node, kind = levels[-2], levels[-1]
+        if node not in self._specs:
+            # Logged once per id (and at most for a hundred ids): a stranger is no news.
+            if len(self._unknown_logged) < 100 and node not in self._unknown_logged:
+                self._unknown_logged.add(node)
+                log.warning("fleet: %s ignored: node %r is not in the site config", topic, node)
+            return
+        if not self._rate.allow(node, now_s):
+            return  # counted; one line per round says how many (_log_drops)
         if kind == "demand":
-            try:
-                d = DemandPayload.model_validate_json(payload)
-            except ValueError:
-                log.warning("fleet: invalid demand on %s ignored", topic)
-                return
-            if d.node_id != node:
-                return
-            grant = d.grant
-            self.allocator.observe_demand(
-                node,
-                Demand(
-                    need_w=d.need_w,
-                    goodput_per_w=d.goodput_per_w,
-                    device_min_w=d.floor_w,
-                    device_max_w=d.ceiling_w,
-                    power_w=d.power_w,
-                    grant_epoch=grant.epoch if grant else None,
-                    received_s=now_s,  # our clock, not the node's
-                    grant_w=grant.budget_w if grant else None,
-                    grant_expires_s=grant.expires_at_unix_s if grant else None,
-                ),
-            )
+            self._on_demand(node, topic, payload, now_s)
         elif kind == "telemetry":
-            data = _json(payload)
+            data = self._bounded_json(topic, payload, MAX_TELEMETRY_BYTES, MAX_TELEMETRY_DEPTH)
             device = data.get("device") if isinstance(data, dict) else None
             power = device.get("power_w") if isinstance(device, dict) else None
-            if isinstance(power, (int, float)):
+            if isinstance(power, (int, float)) and not isinstance(power, bool):
+                self._clamp(node, "telemetry power_w", float(power), self._specs[node].ceiling_w)
                 self.allocator.observe_power(node, float(power))
+
+    def _on_demand(self, node: str, topic: str, payload: bytes, now_s: float) -> None:
+        """A demand counts only if well-formed, for this topic, signed with the node's key,
+        fresh, of a newer epoch than the last, and reporting a grant epoch that one of our
+        rounds could have issued (a runaway epoch would outgrow every later grant)."""
+        try:
+            d = parse_demand(payload)
+        except ValueError as e:
+            self._refuse(topic, f"invalid: {str(e).splitlines()[0]}")
+            return
+        if d.node_id != node:
+            self._refuse(topic, f"node_id {d.node_id!r} is not the topic's {node!r}")
+            return
+        if not verify(d, topic, self._keys[node]):
+            self._refuse(topic, f"epoch {d.epoch}: bad signature")
+            return
+        a = self.cfg.allocator
+        params = self.allocator.params
+        stale = freshness_error(
+            d.issued_at_unix_s,
+            d.expires_at_unix_s,
+            now_s,
+            skew_s=a.max_clock_skew_s,
+            max_life_s=params.demand_timeout_s,
+        )
+        if stale is not None:
+            self._refuse(topic, f"epoch {d.epoch}: {stale}")
+            return
+        last = self._last_demand_epoch.get(node, -1)
+        if d.epoch <= last:
+            self._refuse(topic, f"epoch {d.epoch} is not above {last} (a replay)")
+            return
+        grant = d.grant
+        epoch_bound = int((now_s + params.lease_s + a.max_clock_skew_s) * 1000)
+        if grant is not None and grant.epoch > epoch_bound:
+            self._refuse(topic, f"its grant's epoch {grant.epoch} is ahead of any round")
+            return
+        self._last_demand_epoch[node] = d.epoch
+        spec = self._specs[node]
+        # The site's floor and ceiling, not the node's: it may report less, never more.
+        self._clamp(node, "floor_w", d.floor_w, spec.floor_w)
+        self._clamp(node, "ceiling_w", d.ceiling_w, spec.ceiling_w)
+        if d.power_w is not None:
+            self._clamp(node, "power_w", d.power_w, spec.ceiling_w)
+        self.allocator.observe_demand(
+            node,
+            Demand(
+                need_w=d.need_w,
+                goodput_per_w=d.goodput_per_w,
+                device_min_w=min(d.floor_w, spec.floor_w),
+                device_max_w=min(d.ceiling_w, spec.ceiling_w),
+                power_w=d.power_w,
+                grant_epoch=grant.epoch if grant else None,
+                received_s=now_s,  # our clock, not the node's
+                grant_w=grant.budget_w if grant else None,
+                grant_expires_s=grant.expires_at_unix_s if grant else None,
+            ),
+        )
+
+    def _refuse(self, topic: str, why: str) -> None:
+        self.refusals += 1
+        log.warning("fleet: message on %s refused: %s", topic, why)
+
+    def _bounded_json(self, topic: str, payload: bytes, max_bytes: int, max_depth: int) -> Any:
+        try:
+            return parse_json(payload, topic, max_bytes, max_depth)
+        except ValueError as e:
+            self._refuse(topic, str(e).splitlines()[0])
+            return None
+
+    def _clamp(self, node: str, what: str, value_w: float, bound_w: float) -> None:
+        """Log a reported value above the site's bound: when it first appears or changes."""
+        if value_w <= bound_w:
+            self._clamps.pop((node, what), None)
+            return
+        if self._clamps.get((node, what)) != value_w:
+            self._clamps[(node, what)] = value_w
+            log.warning(
+                "fleet: node %s reports %s %.1f W, above the site's %.1f W: clamped",
+                node,
+                what,
+                value_w,
+                bound_w,
+            )
+
+    def _log_drops(self) -> None:
+        for node in self._specs:
+            dropped = self._rate.take_dropped(node)
+            if dropped:
+                self.refusals += dropped
+                log.warning(
+                    "fleet: node %s over %.0f messages/s: %d message(s) dropped",
+                    node,
+                    self.cfg.allocator.max_messages_per_node_per_s,
+                    dropped,
+                )
 
     def round_messages(self) -> list[tuple[str, bytes, float]]:
         """One round (leader only): (topic, payload, expiry seconds) for each grant."""
@@ -295,6 +429,7 @@ class FleetService:
         lease_s = self.cfg.allocator.lease_s
         out = []
         for g in result.grants:
+            topic = Topics.for_node(self.prefix, g.node_id).grant
             payload = GrantPayload(
                 node_id=g.node_id,
                 budget_w=g.budget_w,
@@ -302,7 +437,7 @@ class FleetService:
                 expires_at_unix_s=g.expires_s,
                 issued_at_unix_s=now_s,
             )
-            topic = Topics.for_node(self.prefix, g.node_id).grant
+            payload = sign(payload, topic, self._keys[g.node_id])
             out.append((topic, payload.to_json_bytes(), lease_s))
         return out
 
@@ -317,6 +452,14 @@ class FleetService:
     # ---- the process ---------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
+        waived = fleet_transport_problems(self.cfg.mqtt)
+        if self.cfg.allocator.insecure_lab_waiver and waived:
+            log.warning(
+                "fleet: insecure_lab_waiver: running with %s; anyone who can reach the broker "
+                "can read demands and delay grants (signatures still checked)",
+                " and ".join(waived),
+            )
+        self.notifier.ready("allocating")
         log.info(
             "fleet: instance %s, site budget %.0f W over %d node(s), period %.1f s, lease %.1f s",
             self.instance_id,
@@ -336,8 +479,18 @@ class FleetService:
                 self.leadership = Leadership(
                     self.instance_id, self.leadership.claim_ttl_s, self.leadership.confirm_s
                 )
+            await self._wait(stop, self._backoff.next_delay_s())
+
+    async def _wait(self, stop: asyncio.Event, seconds: float) -> None:
+        """Wait until stop or for seconds, pinging the watchdog at least every period."""
+        deadline_s = time.monotonic() + seconds
+        while not stop.is_set():
+            self.notifier.ping_watchdog()
+            left_s = deadline_s - time.monotonic()
+            if left_s <= 0:
+                return
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self._backoff.next_delay_s())
+                await asyncio.wait_for(stop.wait(), min(left_s, self.cfg.allocator.period_s))
 
     async def _session(self, stop: asyncio.Event) -> None:
         m = self.cfg.mqtt
@@ -367,7 +520,7 @@ class FleetService:
                 await client.subscribe(topic, qos=1 if topic == self.leader_topic else 0)
             reader = asyncio.create_task(self._read(client))
             try:
-                await self._rounds(client, stop)
+                await self._rounds(client, stop, reader)
             finally:
                 reader.cancel()
                 await asyncio.gather(reader, return_exceptions=True)
@@ -378,11 +531,22 @@ class FleetService:
     async def _read(self, client: aiomqtt.Client) -> None:
         async for message in client.messages:
             payload = message.payload if isinstance(message.payload, bytes) else b""
-            self.on_message(str(message.topic), payload)
+            try:
+                self.on_message(str(message.topic), payload)
+            except Exception:  # noqa: BLE001 - one bad message must not deafen the leader
+                log.exception("fleet: message on %s failed; reading on", message.topic)
 
-    async def _rounds(self, client: aiomqtt.Client, stop: asyncio.Event) -> None:
+    async def _rounds(
+        self, client: aiomqtt.Client, stop: asyncio.Event, reader: asyncio.Task[None]
+    ) -> None:
         period_s = self.cfg.allocator.period_s
         while not stop.is_set():
+            if reader.done():
+                # Deaf, it would lead on stale demands: reconnect (and hear again) instead.
+                log.warning("fleet: the message reader ended; reconnecting")
+                return
+            self.notifier.ping_watchdog()
+            self._log_drops()
             now_s = self._clock()
             action = self.leadership.tick(now_s)
             if action.publish_claim:
@@ -410,19 +574,11 @@ class FleetService:
                 await asyncio.wait_for(stop.wait(), period_s)
 
 
-def _json(payload: bytes) -> Any:
-    try:
-        return json.loads(payload)
-    except ValueError:
-        return None
-
-
-def _site_power(payload: bytes) -> float | None:
-    data = _json(payload)
+def _site_power(data: Any) -> float | None:
     if isinstance(data, dict):
         data = data.get("power_w")
     if isinstance(data, (int, float)) and not isinstance(data, bool) and math.isfinite(data):
-        return float(data)
+        return float(data) if 0 <= data <= MAX_SITE_W else None
     return None
 
 

@@ -17,7 +17,7 @@ import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -281,55 +281,136 @@ def describe_rejection(error: Exception) -> PolicySetRejected:
 # ---- fleet: demand and grant (docs/fleet.md) ------------------------------------------
 
 
+# Bounds on every number a fleet message carries: a node draws less than 100 kW, an epoch
+# is a millisecond count that stays exact in a double, times lie before 2100. A value
+# outside them is refused before any arithmetic sees it (a 1,000-digit epoch once made
+# every later grant too long to parse).
+MAX_FLEET_W = 100_000.0
+MAX_FLEET_EPOCH = 2**53 - 1
+MAX_UNIX_S = 4_102_444_800.0
+MAX_RATIO = 1e6
+# A grant or a demand is a few hundred bytes and two levels deep.
+MAX_FLEET_BYTES = 4096
+MAX_FLEET_DEPTH = 4
+# Telemetry (read by the allocator for the measured power): a few kB, a few levels.
+MAX_TELEMETRY_BYTES = 64 * 1024
+MAX_TELEMETRY_DEPTH = 8
+
+_Watts = Annotated[float, Field(ge=0, le=MAX_FLEET_W)]
+_Epoch = Annotated[int, Field(ge=0, le=MAX_FLEET_EPOCH)]
+_UnixS = Annotated[float, Field(ge=0, le=MAX_UNIX_S)]
+# An HMAC-SHA256 in hex; empty until signed (wattserve.fleet.signing).
+_Sig = Annotated[str, Field(pattern=r"^([0-9a-f]{64})?$")]
+
+
 class GrantInForce(_Payload):
     """The grant a node runs under, as its demand reports it back to the allocator."""
 
-    epoch: int
-    budget_w: float
-    expires_at_unix_s: float
+    epoch: _Epoch
+    budget_w: _Watts
+    expires_at_unix_s: _UnixS
 
 
 class DemandPayload(_Versioned):
     """`demand` (QoS 0, every fleet.demand_interval_ms, with [fleet] enabled): what this node
-    asks of the fleet allocator.
+    asks of the fleet allocator, signed with the node's key (docs/fleet.md).
 
     need_w: power needed to meet its SLOs now; goodput_per_w: goodput (generated tokens/s
     of requests within the SLOs) per watt, the allocator's estimate of what a watt buys
     here; floor_w / ceiling_w: the range its grant may take (its safe floor or the device's
-    minimum power limit, whichever is higher; the device's maximum); grant: the grant in
-    force, null when it runs at its safe floor.
+    minimum power limit, whichever is higher; the device's maximum), which the allocator
+    clamps into the site's configured range; grant: the grant in force, null when it runs
+    at its safe floor. epoch rises with every demand of this node; issued_at / expires_at
+    bound when it may be taken.
     """
 
-    node_id: str
-    time_unix_s: float
-    need_w: float = Field(..., ge=0)
-    goodput_per_w: float = Field(..., ge=0)
-    floor_w: float = Field(..., ge=0)
-    ceiling_w: float = Field(..., ge=0)
-    power_w: float | None = None
-    slo_pressure_ratio: float | None = None  # worst p99 over its SLO (> 1: missing it)
+    node_id: str = Field(..., max_length=64)
+    epoch: _Epoch
+    issued_at_unix_s: _UnixS
+    expires_at_unix_s: _UnixS
+    need_w: _Watts
+    goodput_per_w: float = Field(..., ge=0, le=MAX_RATIO)
+    floor_w: _Watts
+    ceiling_w: _Watts
+    power_w: _Watts | None = None
+    slo_pressure_ratio: float | None = Field(None, ge=0, le=MAX_RATIO)  # > 1: missing it
     grant: GrantInForce | None = None
+    sig: _Sig = ""
 
 
 class GrantPayload(_Versioned):
     """`grant` (QoS 1, retained, MQTT 5 message expiry = the lease): a node's power budget
-    from the fleet allocator. Epochs only grow; a grant past expires_at_unix_s is void."""
+    from the fleet allocator, signed with that node's key. Epochs only grow; a grant past
+    expires_at_unix_s is void."""
 
-    node_id: str
-    budget_w: float = Field(..., gt=0)
-    epoch: int = Field(..., ge=0)
-    expires_at_unix_s: float
-    issued_at_unix_s: float
+    node_id: str = Field(..., max_length=64)
+    budget_w: float = Field(..., gt=0, le=MAX_FLEET_W)
+    epoch: _Epoch
+    expires_at_unix_s: _UnixS
+    issued_at_unix_s: _UnixS
+    sig: _Sig = ""
 
 
-MAX_GRANT_BYTES = 4096
+def json_depth(payload: bytes) -> int:
+    """How deeply arrays and objects nest in a JSON text (brackets inside strings ignored)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in payload:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
+
+
+def check_bounds(payload: bytes, what: str, max_bytes: int, max_depth: int) -> None:
+    """Raise ValueError when payload is longer or nests deeper than allowed."""
+    if len(payload) > max_bytes:
+        raise ValueError(f"{what} is {len(payload)} bytes, more than {max_bytes}")
+    # No more brackets than levels allowed: no need to scan (the usual case).
+    if payload.count(b"[") + payload.count(b"{") <= max_depth:
+        return
+    depth = json_depth(payload)
+    if depth > max_depth:
+        raise ValueError(f"{what} nests {depth} levels deep, more than {max_depth}")
+
+
+def parse_json(payload: bytes, what: str, max_bytes: int, max_depth: int) -> Any:
+    """A bounded JSON document; ValueError (never RecursionError) when it is not one."""
+    check_bounds(payload, what, max_bytes, max_depth)
+    try:
+        return json.loads(payload, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{what} is not JSON: {e}") from None
 
 
 def parse_grant(payload: bytes) -> GrantPayload:
-    """A `grant` message; raises ValueError (pydantic's ValidationError is one)."""
-    if len(payload) > MAX_GRANT_BYTES:
-        raise ValueError(f"grant is {len(payload)} bytes, more than {MAX_GRANT_BYTES}")
-    return GrantPayload.model_validate_json(payload)
+    """A `grant` message, not yet verified; raises ValueError (pydantic's
+    ValidationError is one)."""
+    check_bounds(payload, "grant", MAX_FLEET_BYTES, MAX_FLEET_DEPTH)
+    try:
+        return GrantPayload.model_validate_json(payload)
+    except RecursionError:
+        raise ValueError("grant nests too deep") from None
+
+
+def parse_demand(payload: bytes) -> DemandPayload:
+    """A `demand` message, not yet verified; raises ValueError."""
+    check_bounds(payload, "demand", MAX_FLEET_BYTES, MAX_FLEET_DEPTH)
+    try:
+        return DemandPayload.model_validate_json(payload)
+    except RecursionError:
+        raise ValueError("demand nests too deep") from None
 
 
 # ---- topics -----------------------------------------------------------------------------
