@@ -150,6 +150,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from wattserve.bench import gpu as bench_gpu
 
         return bench_gpu.main(args.rest)
+    if args.which == "host":
+        from wattserve.bench import host as bench_host
+
+        return bench_host.main(args.rest)
     if args.which == "control-ceiling":
         from wattserve.bench import control_ceiling
 
@@ -266,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
             "control-noise",
             "gpu",
             "fleet",
+            "host",
         ],
     )
     p.add_argument("rest", nargs=argparse.REMAINDER)
