@@ -76,6 +76,24 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
     return flat.transpose(0, 1).unsqueeze(0)
 
 
+# Query tokens per tile of a step that is not decode-only (the Triton kernel's unit of work).
+QUERY_TILE = 16
+
+
+def query_tiles(query_start: list[int], tile: int = QUERY_TILE) -> list[int]:
+    """A step's query tiles as flat (sequence, first query row within it) pairs: each
+    sequence's query rows cut into runs of `tile`, then (-1, 0) pairs up to
+    T // tile + B, the most any step of T tokens in B sequences has (so that the count
+    comes from the step's shapes alone)."""
+    b = len(query_start) - 1
+    flat: list[int] = []
+    for seq in range(b):
+        for first in range(0, query_start[seq + 1] - query_start[seq], tile):
+            flat += (seq, first)
+    cap = (query_start[-1] // tile + b) * 2
+    return flat + [-1, 0] * ((cap - len(flat)) // 2)
+
+
 def check_options(sliding_window: int | None, logit_softcap: float | None) -> None:
     """Refuse a window below one token or a soft-cap that is not positive."""
     if sliding_window is not None and sliding_window < 1:
