@@ -224,28 +224,20 @@ def _launch(
     return out
 
 
-@torch.library.custom_op("wattserve::triton_paged_attention", mutates_args=())
-def _triton_paged_attention_op(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_tiles: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-    logit_softcap: float | None,
-) -> torch.Tensor:
-    return _launch(
-        q, k_cache, v_cache, block_tables, query_start, context_lens, query_tiles, scale,
-        sliding_window, logit_softcap,
-    )
+# Registered through a Library fragment rather than torch.library.custom_op: a call costs
+# ~6 us of host time instead of ~22 (measured here), 16-32 times per eager step.
+_LIB = torch.library.Library("wattserve", "FRAGMENT")
+_LIB.define(
+    "triton_paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+    "Tensor query_start, Tensor context_lens, Tensor query_tiles, float scale, "
+    "int? sliding_window, float? logit_softcap) -> Tensor"
+)
+for _key in ("CUDA", "CPU"):  # the CPU under TRITON_INTERPRET=1 only
+    _LIB.impl("triton_paged_attention", _launch, _key)
 
 
-@_triton_paged_attention_op.register_fake
-def _(q, k_cache, v_cache, block_tables, query_start, context_lens, query_tiles, scale,
-      sliding_window, logit_softcap):
+@torch.library.register_fake("wattserve::triton_paged_attention")
+def _(q, *_args):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
@@ -278,7 +270,7 @@ def triton_paged_attention(
         if t != context_lens.shape[0]:
             raise ValueError("a step that is not decode-only needs query_tiles")
         query_tiles = context_lens.new_empty(0, 2)
-    return _triton_paged_attention_op(
+    return torch.ops.wattserve.triton_paged_attention.default(
         q, k_cache, v_cache, block_tables, query_start, context_lens, query_tiles, scale,
         sliding_window, logit_softcap,
     )
