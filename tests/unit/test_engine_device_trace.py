@@ -290,3 +290,26 @@ def test_cuda_attention_is_one_triton_launch_per_layer_for_every_step_kind(hf_mo
     # No op per sequence or per chunk: a step's op count does not grow with its batch.
     assert counts[1, 0] == counts[8, 0]
     assert counts[1, 1] == counts[8, 4] == counts[0, 3]
+    # A window and a soft-cap (Mistral, Gemma 2) are arguments of the same launch.
+    model.sliding_windows = [4] * layers
+    model.logit_softcap = 30.0
+    chunks, tables = _step_chunks(8, 4)
+    with fake:
+        inp = model.prepare(chunks, tables)
+        log = _OpLog(pool)
+        with log:
+            model.forward(inp)
+    assert len(log.ops) == counts[8, 4]
+    assert log.pool_readers == ["wattserve.triton_paged_attention.default"] * layers
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton)")
+def test_query_tiles_travel_with_a_mixed_step_only(hf_model):
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:
+        model = LlamaModel(hf_model, 64, 4, torch.bfloat16, CUDA0)
+        mixed = model.prepare(*_step_chunks(2, 2))
+        decode = model.prepare(*_step_chunks(3, 0))
+    # 2 + 12 query tokens in 4 chunks: 14 // 16 + 4 tiles, on the device
+    assert mixed.query_tiles.shape == (4, 2) and mixed.query_tiles.device == CUDA0
+    assert decode.query_tiles.shape == (0, 2)  # the decode-only variant needs none

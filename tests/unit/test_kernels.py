@@ -15,6 +15,7 @@ from wattserve.kernels.attention import (
     paged_attention,
     paged_attention_torch,
     paged_decode_attention,
+    query_tiles,
     rope_write_kv,
     write_kv,
 )
@@ -202,6 +203,23 @@ def test_paged_attention_matches_reference(impl, dtype, tol, shape):
         rows = slice(row, row + len(positions))
         ref = attention_reference(q[rows], k_cache, v_cache, table, positions, 0.25)
         torch.testing.assert_close(out[rows].float(), ref, **tol)
+
+
+def test_query_tiles_cover_every_query_row_once_in_a_count_fixed_by_the_shapes():
+    # chunks of 1, 16, 17, 0 (an empty chunk has no tile) and 33 query tokens
+    starts = [0, 1, 17, 34, 34, 67]
+    flat = query_tiles(starts, tile=16)
+    pairs = list(zip(flat[::2], flat[1::2], strict=True))
+    assert len(pairs) == 67 // 16 + 5  # T // tile + B, whatever the chunk lengths
+    live = [p for p in pairs if p[0] >= 0]
+    assert live == [(0, 0), (1, 0), (2, 0), (2, 16), (4, 0), (4, 16), (4, 32)]
+    assert pairs[len(live) :] == [(-1, 0)] * (len(pairs) - len(live))
+    rows = sorted(starts[s] + f + i for s, f in live for i in range(16)
+                  if f + i < starts[s + 1] - starts[s])
+    assert rows == list(range(67))
+    # the worst case for the cap: every chunk one token past a tile
+    worst = [0, 17, 34, 51]
+    assert len(query_tiles(worst, tile=16)) // 2 == 51 // 16 + 3 == 6
 
 
 def test_paged_attention_torch_with_host_bounds_reads_nothing_back(monkeypatch):
