@@ -16,8 +16,9 @@ the mask and softmax, Gemma 2).
 
 The functions here only read and write those tensors; which blocks belong to whom is
 the KV cache manager's business (wattserve/daemon/engine/kv_cache.py), never decided here.
-The C++ kernel (csrc/paged_attention.cpp) and its plain-torch twin take the same
-arguments; tests hold both against a token-by-token reference.
+The C++ kernel (csrc/paged_attention.cpp), its plain-torch twin and the Triton kernel of
+CUDA (triton_attention.py, fed the query tiles listed here) take the same arguments; tests
+hold them against a token-by-token reference.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def paged_attention(
     padded with any valid block id; query_start: [B + 1] int64; context_lens: [B] int64.
     Returns [T, H, D]. On the CPU the C++ kernel reads K/V blocks in place (no gathered
     copy, no mask); elsewhere, or where it could not be built, paged_attention_torch serves
-    (the model calls paged_decode_attention itself for decode steps off the CPU).
+    (the model's torch backend calls paged_decode_attention itself for decode steps; on
+    CUDA the model calls triton_attention.triton_paged_attention instead).
     """
     check_options(sliding_window, logit_softcap)
     opts = dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
