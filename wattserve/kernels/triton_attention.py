@@ -156,6 +156,42 @@ def _paged_attention_kernel(
     )
 
 
+def kernel_config(
+    dtype: torch.dtype,
+    decode: bool,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+) -> tuple[dict, int]:
+    """The kernel's compile-time arguments and num_warps for a step's kind and shapes."""
+    tokens = 1
+    if not decode:
+        tokens = QUERY_TILE
+        while tokens > 1 and tokens * group > _MAX_ROWS:
+            tokens //= 2
+    rows = max(16, triton.next_power_of_2(tokens * group))
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    constexprs = dict(
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        TOKENS=tokens,
+        ROWS=rows,
+        SPLIT=QUERY_TILE // tokens if not decode else 1,
+        KEYS=64 if head_dim_pad <= 64 else 32,
+        DECODE=decode,
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=logit_softcap is not None,
+        # The interpreter's dot multiplies bf16 operands' bit patterns (triton 3.7.1): there
+        # bf16 operands are widened to fp32 first.
+        FP32_DOTS=dtype == torch.float32 or (_INTERPRET and dtype == torch.bfloat16),
+    )
+    return constexprs, 4 if rows * head_dim_pad <= 64 * 128 else 8
+
+
 def _launch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -170,22 +206,15 @@ def _launch(
 ) -> torch.Tensor:
     t, heads, head_dim = q.shape
     bs, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = heads // kv_heads
     out = torch.empty((t, heads, head_dim), dtype=q.dtype, device=q.device)
     decode = t == context_lens.shape[0]
-    if decode:
-        tokens, split, grid_tiles = 1, 1, context_lens.shape[0]
-    else:
-        tokens = QUERY_TILE
-        while tokens > 1 and tokens * group > _MAX_ROWS:
-            tokens //= 2
-        split, grid_tiles = QUERY_TILE // tokens, query_tiles.shape[0]
-    rows = max(16, triton.next_power_of_2(tokens * group))
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    keys = 64 if head_dim_pad <= 64 else 32
+    constexprs, num_warps = kernel_config(
+        q.dtype, decode, heads // kv_heads, head_dim, bs, sliding_window, logit_softcap
+    )
+    grid_tiles = context_lens.shape[0] if decode else query_tiles.shape[0]
     if grid_tiles == 0 or t == 0:
         return out
-    _paged_attention_kernel[(grid_tiles, kv_heads * split)](
+    _paged_attention_kernel[(grid_tiles, kv_heads * constexprs["SPLIT"])](
         q,
         k_cache,
         v_cache,
@@ -205,21 +234,8 @@ def _launch(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
-        BLOCK_SIZE=bs,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
-        TOKENS=tokens,
-        ROWS=rows,
-        SPLIT=split,
-        KEYS=keys,
-        DECODE=decode,
-        USE_WINDOW=sliding_window is not None,
-        USE_SOFTCAP=logit_softcap is not None,
-        # The interpreter's dot multiplies bf16 operands' bit patterns (triton 3.7.1): there
-        # bf16 operands are widened to fp32 first.
-        FP32_DOTS=q.dtype == torch.float32 or (_INTERPRET and q.dtype == torch.bfloat16),
-        num_warps=4 if rows * head_dim_pad <= 64 * 128 else 8,
+        **constexprs,
+        num_warps=num_warps,
     )
     return out
 
