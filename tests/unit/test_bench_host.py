@@ -1,0 +1,54 @@
+"""`wattserve bench host`'s counts on the fake CUDA device: what stays true of a step.
+
+The absolute kernel counts are the bench's to report (the budgets in its JSON); what is
+held here is their shape: the same kernels a layer at batch 1, 64 and 256 and with 1 to 4
+prompt chunks (a per-sequence or per-chunk loop would grow them), and one read-back a step.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from wattserve.bench import host
+
+# On CUDA the engine's one-launch attention is the Triton kernel (a test extra, as on torch's
+# CUDA wheels); without triton the torch path's per-chunk calls would be what is counted.
+pytest.importorskip("triton", reason="triton (a test extra) is not installed")
+
+
+@pytest.fixture(scope="module")
+def counts() -> dict:
+    return host.measure(torch.bfloat16)
+
+
+def test_a_layer_launches_as_many_kernels_at_any_batch_and_chunk_count(counts):
+    assert counts["kernel_growth_with_batch"] == 0, counts["per_step"]
+    assert counts["kernels_per_layer_mixed"] == counts["kernels_per_layer_decode"]
+    # one attention launch a layer, whatever the step holds
+    for name, step in counts["per_step"].items():
+        attention = {k: v for k, v in step["layer_ops"].items() if "attention" in k}
+        assert sum(attention.values()) == 1, (name, step["layer_ops"])
+
+
+def test_a_step_reads_back_once(counts):
+    assert counts["d2h_copies_per_step"] == 1
+    assert all(s["scalar_reads"] == 0 for s in counts["per_step"].values())
+
+
+def test_the_command_prints_its_keys_and_budgets_last(capsys, monkeypatch):
+    monkeypatch.setattr(host, "measure", lambda dtype: {
+        "kernels_per_layer_decode": 10, "kernels_per_layer_mixed": 13,
+        "kernel_growth_with_batch": 0, "kernels_outside_layers": 12,
+        "d2h_copies_per_step": 1, "syncs_before_next_launch": 1, "per_step": {},
+    })
+    assert host.main([]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["met"] == {
+        "kernels_per_layer_decode": True, "kernels_per_layer_mixed": True,
+        "kernel_growth_with_batch": True, "syncs_before_next_launch": False,
+        "d2h_copies_per_step": True, "kernels_outside_layers": True,
+    }
+    assert line["dtype"] == "bfloat16" and line["host_ms_per_step_bs1"] is None
