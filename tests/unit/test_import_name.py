@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -79,10 +80,17 @@ def _has_python_daemon() -> bool:
 
 @pytest.mark.skipif(not _has_python_daemon(), reason="python-daemon (a test extra) is absent")
 def test_the_wheel_installs_beside_python_daemon_and_every_module_of_both_imports(tmp_path):
-    wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
+    wheel_dir, target, src = tmp_path / "wheel", tmp_path / "site", tmp_path / "src"
+    # Built from a copy: setuptools leaves build/ in the tree it builds, and a build/ left
+    # from an older layout would put stale modules in the wheel.
+    shutil.copytree(
+        ROOT, src, ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "*.egg-info", "__pycache__", ".*_cache", "docs"
+        ),
+    )
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "-q", "-w", str(wheel_dir), str(ROOT)],
+         "-q", "-w", str(wheel_dir), str(src)],
         check=True, capture_output=True, timeout=300,
     )
     (wheel,) = wheel_dir.glob("wattserve-*.whl")
