@@ -13,10 +13,11 @@ from wattserve.attach.scrape import Histogram, read_sample
 from wattserve.attach.window import CounterReset, quantile, window
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "attach"
+VLLM_TEXT = (DATA / "vllm-0.32.0-cpu.metrics").read_text()
 SGLANG_TEXT = (DATA / "sglang-00ae9c1.metrics").read_text()
 
 
-@pytest.mark.parametrize(("text", "names"), [(SGLANG_TEXT, SGLANG)])
+@pytest.mark.parametrize(("text", "names"), [(VLLM_TEXT, VLLM), (SGLANG_TEXT, SGLANG)])
 def test_every_metric_is_read_from_each_servers_recorded_exposition(text, names) -> None:
     sample = read_sample(text, names)
     assert sample.missing == ()
@@ -27,9 +28,21 @@ def test_every_metric_is_read_from_each_servers_recorded_exposition(text, names)
 
 
 def test_detect_kind_from_the_families_prefix() -> None:
+    assert detect_kind(VLLM_TEXT) == "vllm"
     assert detect_kind(SGLANG_TEXT) == "sglang"
     with pytest.raises(DetectError, match="--server-kind"):
         detect_kind("# TYPE other gauge\nother 1\n", "http://x")
+
+
+def test_vllm_families_summed_over_engine_labels() -> None:
+    # A second engine (data parallel): each generation_tokens sample twice, engine 0 and 1.
+    lines = []
+    for line in VLLM_TEXT.splitlines():
+        lines.append(line)
+        if line.startswith("vllm:generation_tokens_total{"):
+            lines.append(line.replace('engine="0"', 'engine="1"'))
+    one = read_sample(VLLM_TEXT, VLLM).generation_tokens_total
+    assert read_sample("\n".join(lines) + "\n", VLLM).generation_tokens_total == 2 * one
 
 
 def test_a_renamed_or_missing_family_is_named_not_raised() -> None:
