@@ -38,6 +38,7 @@ def build_runner(
     server_url: str = "",
     period_s: float = 1.0,
     flops_per_token: float = 0.0,
+    weight_bytes_per_step: float = 0.0,
     **loop_kwargs: Any,
 ) -> AttachRunner:
     """The runner over one server; `admission` is the front's (None: no front)."""
@@ -76,5 +77,6 @@ def build_runner(
         server_url=server_url,
         period_s=period_s,
         flops_per_token=flops_per_token,
+        weight_bytes_per_step=weight_bytes_per_step,
         **extra,
     )

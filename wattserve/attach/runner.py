@@ -98,6 +98,7 @@ class AttachRunner:
         period_s: float = 1.0,
         bypass_scrapes: int = 3,
         flops_per_token: float = 0.0,
+        weight_bytes_per_step: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if period_s <= 0:
@@ -112,6 +113,7 @@ class AttachRunner:
         self.period_s = period_s
         self.bypass_scrapes = max(1, bypass_scrapes)
         self._flops_per_token = flops_per_token
+        self._weight_bytes_per_step = weight_bytes_per_step
         self._clock = clock
         self.health = OK
         self.detail = ""
@@ -190,11 +192,14 @@ class AttachRunner:
         if self._flops_per_token > 0 and steps:
             # The virtual GPU prices the server's measured work (NVML ignores the booking).
             tokens = w.prompt_tokens + w.generation_tokens
+            busy_s = sum(s.duration_s for s in steps)
+            server_steps = busy_s / w.itl_mean_s  # type: ignore[operator]
             self.device.record_engine_step(
                 EngineActivity(
-                    step_duration_s=sum(s.duration_s for s in steps),
+                    step_duration_s=busy_s,
                     prefill_tokens=int(w.prompt_tokens),
                     decode_tokens=int(w.generation_tokens),
+                    weight_bytes_read=int(self._weight_bytes_per_step * server_steps),
                     flops=self._flops_per_token * tokens,
                 )
             )

@@ -37,6 +37,7 @@ class FakeState:
 
     first_token_s: float = 0.01
     token_s: float = 0.005
+    token_s_per_seq: float = 0.0  # added per running sequence: a batch slows every stream
     running: int = 0
     waiting: int = 0
     extra_running: int = 0  # requests the fake pretends to serve for someone else
@@ -217,6 +218,9 @@ class FakeServer:
             else:
                 self.state.finished += 1
 
+    def token_interval_s(self) -> float:
+        return self.state.token_s + self.state.token_s_per_seq * self.state.running
+
     async def _run(self, n: int, max_tokens: int) -> None:
         self._begin(n)
         try:
@@ -239,7 +243,7 @@ class FakeServer:
                 self.state.ttft.extend([time.monotonic() - started] * n)
             for t in range(max_tokens):
                 if t:
-                    await asyncio.sleep(self.state.token_s)
+                    await asyncio.sleep(self.token_interval_s())
                 for i in range(n):
                     choice = (
                         {"index": i, "delta": {"content": "x"}}
@@ -251,7 +255,7 @@ class FakeServer:
                 with self._lock:
                     self.state.generation_tokens += n
                     if t:
-                        self.state.itl.extend([self.state.token_s] * n)
+                        self.state.itl.extend([self.token_interval_s()] * n)
             if usage:
                 total = {"prompt_tokens": 4, "completion_tokens": n * max_tokens}
                 chunk = {
@@ -293,3 +297,27 @@ def serve_in_thread(app, port: int | None = None) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve the fake in this process until killed (the bench's overhead pairs)."""
+    import argparse
+
+    from wattserve.attach.names import BY_KIND
+
+    p = argparse.ArgumentParser(prog="python -m wattserve.bench.attach_fake")
+    p.add_argument("--exposition", required=True, help="a recorded /metrics file")
+    p.add_argument("--kind", choices=sorted(BY_KIND), default="vllm")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--first-token-s", type=float, default=0.02)
+    p.add_argument("--token-s", type=float, default=0.001)
+    args = p.parse_args(argv)
+    with open(args.exposition) as f:
+        fake = FakeServer(f.read(), BY_KIND[args.kind])
+    fake.state.first_token_s, fake.state.token_s = args.first_token_s, args.token_s
+    uvicorn.run(fake.app, host="127.0.0.1", port=args.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
