@@ -2,21 +2,23 @@
 
 Life: wait for the server's /metrics (it may still be loading), tell its kind unless given,
 open every GPU it uses through the device layer ([device]: backend, mode, state files),
-build the runner ([controller]) and start it; with --front-port serve the front on
-[server].host until SIGTERM/SIGINT (our handlers, not uvicorn's), else wait for one. At
-exit the runner stops and every GPU gets back the settings recorded when they were first
-changed (the daemon's restore). Errors a user can fix end as one line and exit 1. It
-wires; it decides nothing.
+build the runner ([controller]) and start it. Until SIGTERM/SIGINT (our handlers, not
+uvicorn's) it serves the front with --front-port on [server].host, the daemon's MQTT link
+with [mqtt] enabled (telemetry, status, policy) and its fleet link with [fleet] enabled
+(the server is one node). At exit the runner stops and every GPU gets back the settings
+recorded when they were first changed (the daemon's restore). Errors a user can fix end
+as one line and exit 1. It wires; it decides nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import uvicorn
@@ -27,11 +29,16 @@ from wattserve.attach.detect import DetectError, detect_kind
 from wattserve.attach.front import Front, FrontHooks
 from wattserve.attach.gpus import GpuGroup
 from wattserve.attach.names import BY_KIND
-from wattserve.attach.runner import http_fetcher
+from wattserve.attach.runner import AttachRunner, http_fetcher
+from wattserve.attach.telemetry import telemetry_payload
+from wattserve.controller.schema import PolicyModel, PolicyPatch, to_model, to_policy
 from wattserve.daemon.config import Config
 from wattserve.daemon.device import open_device
 from wattserve.daemon.device.protocol import DeviceError
+from wattserve.daemon.mqtt import DeviceSummary, MqttLink
+from wattserve.daemon.mqtt.payloads import TelemetryPayload
 from wattserve.daemon.uvicorn_server import QuietSignalsServer
+from wattserve.fleet.node import FleetNodeLink
 
 log = logging.getLogger("wattserve.attach")
 
@@ -80,6 +87,94 @@ def open_gpus(cfg: Config, gpus: Sequence[str]) -> GpuGroup:
     return GpuGroup(devices)
 
 
+def _mqtt_link(cfg: Config, runner: AttachRunner, url: str, kind: str) -> MqttLink:
+    """The daemon's MQTT link over this runner: telemetry, status, policy in and out."""
+    control = runner.control
+
+    def policy_set(fields: dict[str, Any]) -> PolicyModel:
+        # policy/set (only with mqtt.accept_policy): the same path as the daemon's.
+        policy = to_policy(PolicyModel.model_validate(fields), base=control.controller.policy)
+        control.set_policy(policy)
+        link.set_policy(to_model(policy), changed_by="mqtt")
+        return to_model(policy)
+
+    link = MqttLink(
+        cfg.mqtt, policy_handler=policy_set, telemetry_source=lambda: telemetry_payload(runner)
+    )
+    link.set_policy(to_model(control.controller.policy))
+    link.set_status(
+        phase="ready",
+        model=f"{kind} at {url}",
+        device=DeviceSummary.from_capabilities(runner.device.capabilities()),
+    )
+    return link
+
+
+def _fleet_link(cfg: Config, runner: AttachRunner) -> FleetNodeLink:
+    """The server as one fleet node: its demand from the telemetry, grants as its budget."""
+    control = runner.control
+
+    def demand_source() -> tuple[TelemetryPayload, float | None, float | None] | None:
+        if runner.last_window is None:
+            return None  # nothing read yet: nothing to ask for
+        read = runner.device.read()
+        return telemetry_payload(runner), read.power_limit_min_w, read.power_limit_max_w
+
+    def apply_budget(power_budget_w: float, why: str) -> None:
+        patch = PolicyPatch(power_budget_w=power_budget_w)
+        control.set_policy(to_policy(patch, base=control.controller.policy))
+        log.info("%s: power budget %.0f W", why, power_budget_w)
+
+    return FleetNodeLink(
+        cfg.mqtt, cfg.fleet, demand_source=demand_source, apply_budget=apply_budget
+    )
+
+
+async def _serve(
+    cfg: Config, runner: AttachRunner, url: str, kind: str, front_port: int | None
+) -> None:
+    """Until SIGTERM/SIGINT: the front (if any) and the MQTT link (if [mqtt] enabled)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    server: uvicorn.Server | None = None
+
+    def on_signal() -> None:
+        stop.set()
+        if server is not None:
+            server.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    link = _mqtt_link(cfg, runner, url, kind) if cfg.mqtt.enabled else None
+    fleet = _fleet_link(cfg, runner) if cfg.fleet.enabled else None
+    if link is not None:
+        await link.start()
+    if fleet is not None:
+        await fleet.start()
+    try:
+        if front_port is not None and runner.admission is not None:
+            control = runner.control
+            hooks = FrontHooks(
+                on_ttft_s=control.record_ttft_s,
+                on_tpot_s=control.record_tpot_s,
+                status=runner.status,
+            )
+            front = Front(url, runner.admission, hooks)
+            server = QuietSignalsServer(
+                uvicorn.Config(
+                    front.app, host=cfg.server.host, port=front_port, log_level="warning"
+                )
+            )
+            await server.serve()
+        else:
+            await stop.wait()
+    finally:
+        if fleet is not None:
+            await fleet.stop()
+        if link is not None:
+            await link.stop()
+
+
 def run(cfg: Config, opts: AttachOptions) -> int:
     url = opts.url.rstrip("/")
     if not url.startswith(("http://", "https://")):
@@ -120,37 +215,9 @@ def run(cfg: Config, opts: AttachOptions) -> int:
         cfg.controller.mode,
         "off" if opts.front_port is None else f"on {cfg.server.host}:{opts.front_port}",
     )
-    stop = threading.Event()
-    server: uvicorn.Server | None = None
-
-    def on_signal(*_: object) -> None:
-        stop.set()
-        if server is not None:
-            server.should_exit = True
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
     runner.start()
     try:
-        if admission is not None:
-            control = runner.control
-            hooks = FrontHooks(
-                on_ttft_s=control.record_ttft_s,
-                on_tpot_s=control.record_tpot_s,
-                status=runner.status,
-            )
-            front = Front(url, admission, hooks)
-            server = QuietSignalsServer(
-                uvicorn.Config(
-                    front.app,
-                    host=cfg.server.host,
-                    port=opts.front_port,  # type: ignore[arg-type]
-                    log_level="warning",
-                )
-            )
-            server.run()
-        else:
-            stop.wait()
+        asyncio.run(_serve(cfg, runner, url, kind, opts.front_port))
     finally:
         runner.stop()
         device.close()
