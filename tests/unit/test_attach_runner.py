@@ -16,6 +16,7 @@ from wattserve.attach.gpus import GpuGroup
 from wattserve.attach.names import BY_KIND
 from wattserve.attach.runner import METRICS_MISSING, OK, SERVER_DOWN, http_fetcher
 from wattserve.bench.attach_fake import FakeServer, serve_in_thread
+from wattserve.controller.policy import Knobs
 from wattserve.daemon.config import ControllerConfig, DeviceConfig
 from wattserve.daemon.device import open_device
 
@@ -42,7 +43,7 @@ def fake(request):
         yield server
 
 
-def _runner(fake, tmp_path, admission=None, gpus=1, **cfg):
+def _runner(fake, tmp_path, admission=None, gpus=1, mode="auto", **cfg):
     devices = [
         open_device(
             DeviceConfig(backend="virtual", mode="control", state_dir=tmp_path, virtual_seed=i)
@@ -51,7 +52,7 @@ def _runner(fake, tmp_path, admission=None, gpus=1, **cfg):
     ]
     group = GpuGroup(devices)
     config = ControllerConfig(
-        mode="auto", power_budget_w=300, ttft_slo_ms=500, tpot_slo_ms=100, **cfg
+        mode=mode, power_budget_w=300, ttft_slo_ms=500, tpot_slo_ms=100, **cfg
     )
     clock = Clock()
     runner = build_runner(
@@ -206,5 +207,24 @@ def test_traffic_bypassing_the_front_is_detected(fake, tmp_path) -> None:
         fake.state.extra_running = 0
         _steps(runner, clock, 4)
         assert runner.status()["knobs"]["admission"]["reliable"] is True
+    finally:
+        group.close()
+
+
+def test_the_admission_cap_lifted_at_a_fault_comes_back_after_it(fake, tmp_path) -> None:
+    admission = Admission(64)
+    runner, group, clock = _runner(fake, tmp_path, admission=admission, mode="manual")
+    try:
+        runner.control.set_manual_knobs(
+            Knobs(max_num_seqs=5, max_num_batched_tokens=8192, quant_level="native")
+        )
+        _steps(runner, clock, 2)
+        assert admission.max_num_seqs == 5
+        fake.state.hidden.add(fake.names.running)
+        _steps(runner, clock, 1)
+        assert admission.max_num_seqs == 64  # lifted while the metrics are missing
+        fake.state.hidden.clear()
+        _steps(runner, clock, 2)
+        assert admission.max_num_seqs == 5
     finally:
         group.close()

@@ -252,6 +252,12 @@ class AttachRunner:
     def _recovered(self) -> None:
         if self.health != OK:
             log.warning("attach: %s metrics readable again; control resumes", self.names.kind)
+            # The cap lifted at the fault, back to the last decision's (the control loop
+            # writes limits only when they change). The GPUs' settings come back by the
+            # loop's drift check: it reads them back and re-applies.
+            last = self.last_decision
+            if last is not None and last.apply:
+                self.engine.set_limits(max_num_seqs=last.knobs.max_num_seqs)
         self.health, self.detail, self.missing = OK, "", ()
 
     # ---- the thread ------------------------------------------------------------------------
