@@ -260,9 +260,11 @@ def start_peer(args: argparse.Namespace):
         env = vllm_peer.peer_env_base()
         env.update(vllm_peer.server_env(args.threads, args.vllm_kvcache_gib, paths=paths))
         port = free_port()
-        server = ManagedServer(
-            "vllm", vllm_peer.server_argv(paths, model_dir, args.dtype, port), port, env, 900.0
-        )
+        # Both systems run the same prompts at each rate: a prefix cache would serve the
+        # second run's prompts warm.
+        argv = [*vllm_peer.server_argv(paths, model_dir, args.dtype, port)]
+        argv.append("--no-enable-prefix-caching")
+        server = ManagedServer("vllm", argv, port, env, 900.0)
         try:
             server.wait_ready("/health")
             warm_up(server.url, str(model_dir))
