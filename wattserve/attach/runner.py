@@ -173,13 +173,17 @@ class AttachRunner:
             )
             return None
         self.last_window = w
-        self._feed(w, now)
+        steps = self._feed(w, now)
         self._watch_bypass(w)
         decision = self.control.tick()
         self.last_decision = decision
+        # After the decision: the virtual GPU prices the window's work at the clock now in
+        # force (booked before, the first window ran at the GPU's default clock, over the
+        # budget, before the controller had decided anything).
+        self._book(w, steps)
         return decision
 
-    def _feed(self, w: WindowStats, now: float) -> None:
+    def _feed(self, w: WindowStats, now: float) -> list[SyntheticStep]:
         self.engine.observe(
             w.running,
             w.waiting,
@@ -189,26 +193,30 @@ class AttachRunner:
         steps = synthetic_steps(w, now)
         for s in steps:
             self.control.on_step(s)
-        if self._flops_per_token > 0 and steps:
-            # The virtual GPU prices the server's measured work (NVML ignores the booking).
-            tokens = w.prompt_tokens + w.generation_tokens
-            busy_s = sum(s.duration_s for s in steps)
-            server_steps = busy_s / w.itl_mean_s  # type: ignore[operator]
-            self.device.record_engine_step(
-                EngineActivity(
-                    step_duration_s=busy_s,
-                    prefill_tokens=int(w.prompt_tokens),
-                    decode_tokens=int(w.generation_tokens),
-                    weight_bytes_read=int(self._weight_bytes_per_step * server_steps),
-                    flops=self._flops_per_token * tokens,
-                )
-            )
         if self.admission is None:
             # No front: the server's own histograms are the only latencies there are.
             for ttft in w.ttft_samples_s:
                 self.control.record_ttft_s(ttft)
             for itl in w.itl_samples_s:
                 self.control.record_tpot_s(itl)
+        return steps
+
+    def _book(self, w: WindowStats, steps: list[SyntheticStep]) -> None:
+        """The virtual GPU prices the server's measured work (NVML ignores the booking)."""
+        if self._flops_per_token <= 0 or not steps:
+            return
+        tokens = w.prompt_tokens + w.generation_tokens
+        busy_s = sum(s.duration_s for s in steps)
+        server_steps = busy_s / w.itl_mean_s  # type: ignore[operator]
+        self.device.record_engine_step(
+            EngineActivity(
+                step_duration_s=busy_s,
+                prefill_tokens=int(w.prompt_tokens),
+                decode_tokens=int(w.generation_tokens),
+                weight_bytes_read=int(self._weight_bytes_per_step * server_steps),
+                flops=self._flops_per_token * tokens,
+            )
+        )
 
     def _watch_bypass(self, w: WindowStats) -> None:
         if self.admission is None:
