@@ -1,4 +1,4 @@
-"""The `wattserve` command line: serve, generate, config show, bench, device, fleet.
+"""The `wattserve` command line: serve, attach, generate, config show, bench, device, fleet.
 
 Parses flags into per-section config overrides and dispatches; errors the user can fix
 (bad config, unloadable model) end as one line on stderr and a non-zero exit, never a
@@ -125,7 +125,29 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return server.main(_config_from_args(args))
 
 
+def _cmd_attach(args: argparse.Namespace) -> int:
+    from wattserve.attach import service
+
+    opts = service.AttachOptions(
+        url=args.url,
+        server_kind=args.server_kind,
+        gpus=tuple(args.gpu or ()),
+        front_port=args.front_port,
+        period_s=args.period_s,
+        wait_s=args.wait_s,
+    )
+    try:
+        return service.run(_config_from_args(args), opts)
+    except service.AttachError as e:
+        print(f"wattserve attach: error: {e}", file=sys.stderr)
+        return 1
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.which == "attach":
+        from wattserve.bench import attach as bench_attach
+
+        return bench_attach.main(args.rest)
     if args.which == "engine":
         from wattserve.bench import engine as bench_engine
 
@@ -222,6 +244,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(p)
     p.set_defaults(func=_cmd_serve)
 
+    p = sub.add_parser(
+        "attach", help="steer the GPUs of a running vLLM or SGLang server (docs/attach.md)"
+    )
+    _add_config_flags(p)
+    p.add_argument("url", help="the server's base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--server-kind", choices=["vllm", "sglang", "auto"], default="auto")
+    p.add_argument(
+        "--gpu", action="append", metavar="ID", help="a GPU the server uses (repeat for each)"
+    )
+    p.add_argument(
+        "--front-port", type=int, default=None, help="serve the front (admission) on this port"
+    )
+    p.add_argument("--period-s", type=float, default=1.0, help="how often /metrics is read")
+    p.add_argument(
+        "--wait-s", type=float, default=600.0, help="how long to wait for the server at start"
+    )
+    p.set_defaults(func=_cmd_attach)
+
     p = sub.add_parser("generate", help="generate one completion offline (no server)")
     _add_config_flags(p)
     p.add_argument("prompt")
@@ -261,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "which",
         choices=[
+            "attach",
             "engine",
             "serve",
             "quant",

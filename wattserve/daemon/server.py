@@ -33,7 +33,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -63,6 +63,7 @@ from wattserve.daemon.mqtt import DeviceSummary, EventPayload, MqttLink
 from wattserve.daemon.mqtt.metrics import MqttCollector
 from wattserve.daemon.quant_table import load_quality_table, quality_table_path
 from wattserve.daemon.sdnotify import Notifier, ProgressProbe, Watchdog, status_line
+from wattserve.daemon.uvicorn_server import QuietSignalsServer
 from wattserve.fleet.node import FleetNodeLink
 
 log = logging.getLogger("wattserve.server")
@@ -80,14 +81,6 @@ _MQTT_WINDOW = "mqtt"
 _FLEET_WINDOW = "fleet"
 # The exit code after the engine loop died (EX_SOFTWARE): non-zero, so systemd restarts us.
 EXIT_ENGINE_FAULT = 70
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handlers (the Daemon installs and interprets them)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -304,7 +297,7 @@ class Daemon:
             # httptools, with the connection bounds of wattserve/daemon/api/connection.py around it.
             http=protocol_factory(ConnectionLimits.from_config(server_cfg)),
         )
-        server = _Server(uv_config)
+        server = QuietSignalsServer(uv_config)
         serve_task = asyncio.create_task(server.serve(sockets=[sock]))
         if install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
