@@ -49,7 +49,7 @@ except ImportError:
 gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 print(json.dumps({"python": platform.python_version(), "torch": torch.__version__,
                   "cuda": torch.version.cuda, "triton": tv, "gpu": gpu}))'
-section profile 180 "$PY" -m wattserve.bench.gpu_profile "${DRY[@]}"
+section profile 300 "$PY" -m wattserve.bench.gpu_profile "${DRY[@]}"
 section host 120 "$PY" -m wattserve.daemon.cli bench host
 section gpu 480 "$PY" -m wattserve.daemon.cli bench gpu --out-dir "$OUT" "${DRY[@]}" \
   --max-seconds 400
