@@ -85,6 +85,18 @@ class ServerConfig(_Section):
         description="A client that takes no response bytes for this long is cut off; its "
         "generation is aborted and its slot freed.",
     )
+    body_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="A request body gets this long from the end of its head, plus one second "
+        "per body_min_bytes_per_s bytes received; a slower body is cut off with 408.",
+    )
+    body_min_bytes_per_s: int = Field(
+        16 << 10,
+        ge=1,
+        description="The slowest body rate kept beyond body_timeout_s (bytes per second).",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 
