@@ -97,6 +97,23 @@ class ServerConfig(_Section):
         ge=1,
         description="The slowest body rate kept beyond body_timeout_s (bytes per second).",
     )
+    max_choices_per_request: int = Field(
+        16,
+        ge=1,
+        le=256,
+        description="Choices in one generation request (prompts x n); more gets 400.",
+    )
+    max_prompt_logprob_tokens: int = Field(
+        32768,
+        ge=1,
+        description="Prompt tokens with logprobs in one request (echo + logprobs: prompt "
+        "tokens x choices); more gets 400.",
+    )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="fcfs: first come, first served, a request's priority must be 0; "
+        "priority: lower `priority` values are admitted first and evicted last.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 
