@@ -114,6 +114,13 @@ class ServerConfig(_Section):
         description="fcfs: first come, first served, a request's priority must be 0; "
         "priority: lower `priority` values are admitted first and evicted last.",
     )
+    max_concurrent_grammar_compiles: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="Structured-output grammars compiled at once on the tokenization pool; "
+        "further requests wait their turn.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 

@@ -8,7 +8,9 @@ ending with `data: [DONE]`. Every refusal happens before the response starts, so
 carries a real status code; a request over a bound of bounds.py is refused before any work.
 A whole answer is assembled and encoded on a worker thread (json_pieces.py), so a
 many-choice answer with logprobs does not stall the loop; so is a streamed echo's first
-chunk. A client that disconnects has its sequences aborted.
+chunk. Grammars compile on the tokenization pool, at most
+`server.max_concurrent_grammar_compiles` at once. A client that disconnects has its
+sequences aborted.
 This module formats and routes; it must not schedule, sample or touch tensors.
 """
 
@@ -350,8 +352,11 @@ async def _generate(
             guide = (tools.guide, "tools")
         if guide is not None:
             # A schema the library cannot compile is refused here; compiling takes from
-            # milliseconds to seconds, so not on the loop. The engine finds it cached.
-            await asyncio.to_thread(engine.grammars.compile, *guide)
+            # milliseconds to seconds, so not on the loop, and a few at a time so that
+            # tokenizing keeps pool threads. The guide carries its matcher to the engine.
+            async with state.grammar_compiles:
+                compiled = await asyncio.to_thread(engine.grammars.compile, *guide)
+            guide = (dataclasses.replace(guide[0], compiled=compiled), guide[1])
         specs = _choice_specs(
             body,
             prompts,
