@@ -1,7 +1,9 @@
 """Hostile clients against a real daemon: every one gets a bounded answer, nobody else suffers.
 
 Oversized bodies (fast and slow) read their whole 413 and a clean end of stream, never a
-reset; oversized, endless and slow request heads get 431, 408 or a close; a streaming
+reset; oversized, endless and slow request heads get 431, 408 or a close; a body that trickles in
+below the minimum rate gets 408, so slow POSTs cannot hold the connection cap; two Host
+headers get 400; a streaming
 client that stops reading is cut off and its slot freed; connections and dashboard event
 streams are capped with 503; 1,000 idle sockets leave /health answering; huge prompts,
 long stop lists and deeply nested JSON get 4xx while a normal request still succeeds.
@@ -28,6 +30,8 @@ from tests.api_server import api_config, running_server
 MAX_BODY_BYTES = 1 << 20  # the default server.max_body_bytes
 MAX_HEADER_BYTES = 64 << 10  # the default server.max_header_bytes
 HEADER_TIMEOUT_S = 1.0
+BODY_TIMEOUT_S = 1.0
+BODY_MIN_BYTES_PER_S = 100
 WRITE_TIMEOUT_S = 1.0
 MAX_EVENT_STREAMS = 2
 WAIT_LIMIT_S = 30.0
@@ -40,6 +44,8 @@ def server(tiny_llama):
     cfg = api_config(
         server={
             "header_timeout_s": HEADER_TIMEOUT_S,
+            "body_timeout_s": BODY_TIMEOUT_S,
+            "body_min_bytes_per_s": BODY_MIN_BYTES_PER_S,
             "stream_write_timeout_s": WRITE_TIMEOUT_S,
             "max_event_streams": MAX_EVENT_STREAMS,
             "max_waiting_requests": 0,
@@ -196,6 +202,75 @@ def test_slow_headers_are_cut_off(server) -> None:
         reply = _read_to_eof(s)
     _assert_error_reply(reply, 408, "request_timeout")
     _normal_request_works(server)
+
+
+def test_two_host_headers_get_400(server) -> None:
+    for second in ("localhost", "evil.example"):
+        with _connect(server) as s:
+            s.sendall(f"GET /health HTTP/1.1\r\nHost: localhost\r\nHost: {second}\r\n\r\n".encode())
+            reply = _read_to_eof(s)
+        _assert_error_reply(reply, 400, "duplicate_host")
+    _normal_request_works(server)
+
+
+def test_a_body_below_the_minimum_rate_gets_408(server) -> None:
+    # 10 bytes a second against a floor of 100 after the first second: cut off about 1.1 s
+    # in; bounded here at 200 bytes (20 s).
+    sent = 0
+    with _connect(server) as s:
+        s.sendall(_post_head(1000))
+        while sent < 200:
+            readable, _, _ = select.select([s], [], [], 0.1)
+            if readable:
+                break
+            s.sendall(b" ")
+            sent += 1
+        assert sent < 200, "the slow body was never cut off"
+        reply = _read_to_eof(s)
+    _assert_error_reply(reply, 408, "request_timeout")
+    _normal_request_works(server)
+
+
+def test_a_body_at_the_minimum_rate_is_served(server) -> None:
+    # 800 bytes at about 400 a second: longer than the first second, and well above the
+    # floor of 100 a second after it (a machine that stretches every sleep 3x still is).
+    body = b'{"prompt": "hi", "max_tokens": 1' + b" " * 767 + b"}"
+    with _connect(server) as s:
+        s.sendall(_post_head(len(body)))
+        for start in range(0, len(body), 40):
+            s.sendall(body[start : start + 40])
+            time.sleep(0.1)
+        status, _, _ = _parse(s.recv(65536))
+    assert status == 200
+
+
+def test_slow_posts_do_not_hold_the_connection_cap(tiny_llama) -> None:
+    cap, clients = 64, 128
+    cfg = api_config(
+        server={
+            "max_connections": cap,
+            "body_timeout_s": BODY_TIMEOUT_S,
+            "body_min_bytes_per_s": 1024,
+        }
+    )
+    with running_server(cfg, tiny_llama) as srv, _open_file_limit(2 * clients + 512):
+        slow: list[socket.socket] = []
+        try:
+            for _ in range(clients):  # each sends its head and 10 of 1,000 body bytes
+                s = _connect(srv)
+                s.sendall(_post_head(1000) + b"{" * 10)
+                slow.append(s)
+            codes = [json.loads(_parse(_read_to_eof(s))[2])["error"]["code"] for s in slow]
+        finally:
+            for s in slow:
+                s.close()
+        # Those within the cap were cut off (a socket never answered fails on its timeout).
+        assert set(codes) == {"request_timeout", "too_many_connections"}, set(codes)
+        assert codes.count("request_timeout") <= cap
+        _wait_for(
+            lambda: httpx.get(srv.base_url + "/health", timeout=30).status_code == 200,
+            "/health once the slow bodies were cut off",
+        )
 
 
 def test_idle_connection_is_closed(server) -> None:

@@ -9,8 +9,10 @@ completes well inside max_tokens.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import threading
 
 import httpx
 import jsonschema_rs
@@ -18,6 +20,7 @@ import openai
 import pytest
 
 from tests.api_server import api_config, running_server
+from wattserve.daemon.engine.grammar import CACHED_GRAMMARS
 
 SCHEMAS = [
     {
@@ -136,9 +139,7 @@ def test_100_generations_under_5_schemas_all_validate(oai, model) -> None:
         )
         answers += [(i, c.message.content, c.finish_reason) for c in chat.choices]
         # vLLM's two spellings, through completions, streamed.
-        extra = (
-            {"guided_json": schema} if i % 2 else {"structured_outputs": {"json": schema}}
-        )
+        extra = {"guided_json": schema} if i % 2 else {"structured_outputs": {"json": schema}}
         stream = oai.completions.create(
             model=model,
             prompt="JSON:",
@@ -324,3 +325,62 @@ def test_schema_fields_reach_openapi(client) -> None:
     for name in ("response_format", "guided_json", "guided_regex", "guided_choice"):
         assert name in props
     assert "structured_outputs" in props
+
+
+def test_grammar_compiles_are_bounded_and_never_run_on_the_loop(server) -> None:
+    """Six requests with six regexes at once: at most server.max_concurrent_grammar_compiles
+    compile together (each is held at a gate until the test has looked), /health answers
+    meanwhile, and with a one-grammar cache (every queueing finds its grammar evicted) no
+    compilation runs on the server's event-loop thread."""
+    grammars = server.engine.grammars
+    bound = server.daemon.state.cfg.server.max_concurrent_grammar_compiles
+    real_compile = grammars.compile
+    gate = threading.Event()
+    lock = threading.Lock()
+    seen = {"active": 0, "peak": 0}
+    threads: set[str] = set()
+
+    def held_compile(guide, param):
+        with lock:
+            threads.add(threading.current_thread().name)
+            seen["active"] += 1
+            seen["peak"] = max(seen["peak"], seen["active"])
+        try:
+            gate.wait(60)
+            return real_compile(guide, param)
+        finally:
+            with lock:
+                seen["active"] -= 1
+
+    grammars.compile = held_compile
+    grammars.cache_size = 1
+    try:
+        results = asyncio.run(_grammar_burst(server, gate, seen, bound))
+    finally:
+        del grammars.compile
+        grammars.cache_size = CACHED_GRAMMARS
+    health_status, answers = results
+    assert health_status == 200
+    assert seen["peak"] == bound, seen
+    assert "in-process-daemon" not in threads, threads  # the daemon's loop thread
+    for k, r in answers:
+        assert r.status_code == 200, r.text
+        for choice in r.json()["choices"]:
+            assert re.fullmatch(f"a{{{k}}}", choice["message"]["content"]), choice
+
+
+async def _grammar_burst(server, gate: threading.Event, seen: dict[str, int], bound: int):
+    async def ask(client: httpx.AsyncClient, k: int):
+        body = {"messages": MESSAGES, "guided_regex": f"a{{{k}}}", "n": 2, "max_tokens": 12}
+        return k, await client.post("/v1/chat/completions", json=body)
+
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+        tasks = [asyncio.create_task(ask(client, k)) for k in range(1, 7)]
+        for _ in range(3000):
+            if seen["active"] >= bound:
+                break
+            await asyncio.sleep(0.02)
+        health = await client.get("/health")
+        await asyncio.sleep(0.5)  # the other four reach the bound and wait there
+        gate.set()
+        return health.status_code, await asyncio.gather(*tasks)

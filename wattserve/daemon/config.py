@@ -92,6 +92,42 @@ class ServerConfig(_Section):
         description="A client that takes no response bytes for this long is cut off; its "
         "generation is aborted and its slot freed.",
     )
+    body_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="A request body gets this long from the end of its head, plus one second "
+        "per body_min_bytes_per_s bytes received; a slower body is cut off with 408.",
+    )
+    body_min_bytes_per_s: int = Field(
+        16 << 10,
+        ge=1,
+        description="The slowest body rate kept beyond body_timeout_s (bytes per second).",
+    )
+    max_choices_per_request: int = Field(
+        16,
+        ge=1,
+        le=256,
+        description="Choices in one generation request (prompts x n); more gets 400.",
+    )
+    max_prompt_logprob_tokens: int = Field(
+        32768,
+        ge=1,
+        description="Prompt tokens with logprobs in one request (echo + logprobs: prompt "
+        "tokens x choices); more gets 400.",
+    )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="fcfs: first come, first served, a request's priority must be 0; "
+        "priority: lower `priority` values are admitted first and evicted last.",
+    )
+    max_concurrent_grammar_compiles: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="Structured-output grammars compiled at once on the tokenization pool; "
+        "further requests wait their turn.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 

@@ -6,7 +6,11 @@ uvicorn's httptools protocol bounds none of these, and an ASGI middleware cannot
 - its arrival time: a head not whole `header_timeout_s` after the connection (or its
   previous response) was ready is cut off (408 if it had begun), so slowloris clients and
   idle sockets do not pile up;
+- its body's arrival: a body not whole `body_timeout_s` after its head, plus one second
+  per `body_min_bytes_per_s` bytes received, is cut off with 408 (slow POSTs would
+  otherwise hold their connections, and fill `max_connections`, for ever);
 - the number of connections: a request on a connection beyond `max_connections` gets 503;
+- two Host headers in one request: 400, as HTTP/1.1 requires (the app would see one);
 - a client that stops reading: no write progress for `stream_write_timeout_s` aborts the
   connection; the app then sees http.disconnect and frees the request's slot;
 - closing while the client is still sending (a 413 before the body was read): the write
@@ -48,6 +52,8 @@ class ConnectionLimits:
     max_header_count: int
     header_timeout_s: float
     stream_write_timeout_s: float
+    body_timeout_s: float
+    body_min_bytes_per_s: int
 
     @classmethod
     def from_config(cls, server: ServerConfig) -> ConnectionLimits:
@@ -57,6 +63,8 @@ class ConnectionLimits:
             max_header_count=server.max_header_count,
             header_timeout_s=server.header_timeout_s,
             stream_write_timeout_s=server.stream_write_timeout_s,
+            body_timeout_s=server.body_timeout_s,
+            body_min_bytes_per_s=server.body_min_bytes_per_s,
         )
 
 
@@ -120,8 +128,13 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._head_chunk_clean = True  # this chunk's bytes all belong to the open head
         self._head_fields = 0
         self._head_field_bytes = 0
+        self._head_hosts = 0
         self._request_open = False  # a request began and its body is not all read
         self._lingered_bytes = 0
+        # The body being received: from its head's end until the message is complete.
+        self._body_started_s = 0.0
+        self._body_bytes = 0
+        self._body_timer: asyncio.TimerHandle | None = None
         self._head_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
@@ -134,7 +147,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for timer in (self._head_timer, self._write_timer, self._linger_timer):
+        for timer in (self._head_timer, self._body_timer, self._write_timer, self._linger_timer):
             if timer is not None:
                 timer.cancel()
         self.closing = True
@@ -168,6 +181,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
                 self._raw.close()
             return
         self._head_chunk_clean = self._head_open
+        if self._body_timer is not None:
+            self._body_bytes += len(data)  # a head's tail in the same read counts too
         super().data_received(data)
         if self._head_open and not self.closing:
             # A head that began inside this chunk is counted from the next one: the bound
@@ -181,6 +196,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._request_open = True
         self._head_fields = 0
         self._head_field_bytes = 0
+        self._head_hosts = 0
 
     def on_url(self, url: bytes) -> None:
         super().on_url(url)
@@ -190,11 +206,14 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         super().on_header(name, value)
         self._head_fields += 1
         self._head_field_bytes += len(name) + len(value) + 4  # ": " and CRLF
+        if name.lower() == b"host":
+            self._head_hosts += 1
 
     def on_headers_complete(self) -> None:
         self._head_open = False
         self._head_chunk_clean = False
         self._head_bytes = 0
+        self._arm_body_timer()
         refusal = self._refusal_for_head()
         if refusal is None:
             super().on_headers_complete()
@@ -209,6 +228,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
         self._request_open = False
         self._head_open = True
 
@@ -227,6 +249,12 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             )
         if self._head_field_bytes > limits.max_header_bytes:
             return _refusal(431, self._header_bytes_message(), "headers_too_large")
+        if self._head_hosts > 1:
+            return _refusal(
+                400,
+                f"the request has {self._head_hosts} Host headers; HTTP/1.1 allows one",
+                "duplicate_host",
+            )
         if self._over_cap:
             return _refusal(
                 503,
@@ -275,6 +303,51 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             )
         else:
             self.close_connection()  # idle: nothing to answer
+
+    def _arm_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+        self._body_started_s = self.loop.time()
+        self._body_bytes = 0
+        self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_timed_out)
+
+    def _body_deadline_s(self) -> float:
+        limits = self.limits
+        earned_s = self._body_bytes / limits.body_min_bytes_per_s
+        return self._body_started_s + limits.body_timeout_s + earned_s
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        if self.closing or not self._request_open:
+            return
+        now = self.loop.time()
+        if self.flow.read_paused:
+            # We stopped reading (the app is busy, or a pipelined request waits its turn):
+            # the client is not late. The body gets a fresh period once reading resumes.
+            self._body_started_s = now - self._body_bytes / self.limits.body_min_bytes_per_s
+        left_s = self._body_deadline_s() - now
+        if left_s > 0:
+            self._body_timer = self.loop.call_later(left_s, self._body_timed_out)
+            return
+        message = (
+            f"the request body did not arrive in time: {self._body_bytes} bytes in "
+            f"{now - self._body_started_s:.1f} s (server.body_timeout_s "
+            f"{self.limits.body_timeout_s:g} s, then server.body_min_bytes_per_s "
+            f"{self.limits.body_min_bytes_per_s})"
+        )
+        log.warning(
+            "client %s: %s",
+            f"{self.client[0]}:{self.client[1]}" if self.client else "?",
+            message,
+        )
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started and not self.pipeline:
+            assert self._raw is not None
+            self._raw.write(_raw_error(408, message, "request_timeout"))
+            # The app waiting for the body reads http.disconnect, and answers nothing more.
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.close_connection()
 
     def pause_writing(self) -> None:
         super().pause_writing()

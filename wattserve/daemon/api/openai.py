@@ -5,7 +5,12 @@ loop, builds SamplingParams, and queues one engine request per choice (n per pro
 each with its admission slot; choices.py); then it either collects the whole answer or
 streams it as server-sent events in OpenAI's chunk format (logprobs and echo included),
 ending with `data: [DONE]`. Every refusal happens before the response starts, so it
-carries a real status code. A client that disconnects has its sequences aborted.
+carries a real status code; a request over a bound of bounds.py is refused before any work.
+A whole answer is assembled and encoded on a worker thread (json_pieces.py), so a
+many-choice answer with logprobs does not stall the loop; so is a streamed echo's first
+chunk. Grammars compile on the tokenization pool, at most
+`server.max_concurrent_grammar_compiles` at once. A client that disconnects has its
+sequences aborted.
 This module formats and routes; it must not schedule, sample or touch tensors.
 """
 
@@ -21,13 +26,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from wattserve.daemon.api.bounds import check_choices, check_priority, check_prompt_logprobs
 from wattserve.daemon.api.chat_tools import ToolPlan, plan_tools, template_messages
 from wattserve.daemon.api.choices import Choices, ChoiceSpec, start_choices
 from wattserve.daemon.api.errors import APIError, error_body, error_response, from_invalid_request
 from wattserve.daemon.api.generation import ClientGone, GenerationStream
+from wattserve.daemon.api.json_pieces import encode_json
 from wattserve.daemon.api.logprobs import CompletionLogprobs, TokenText, chat_content
 from wattserve.daemon.api.schemas import (
     _SEED_MAX,
@@ -326,11 +333,16 @@ async def _generate(
         if prompt_only:
             max_tokens = 1  # the prompt's logprobs come with the first step; its token is dropped
     rename = {"prompt": prompt_param, "max_tokens": max_param}
+    server = state.cfg.server
     try:
         if prompt_only and not echo:
             raise InvalidRequestError("max_tokens must be >= 1 (0 only with echo)", "max_tokens")
+        check_priority(server, body.priority)
+        check_choices(server, len(_raw_prompts(body)) if not chat else 1, body.n)
         # Templating and tokenizing a long prompt takes a while: keep the loop responsive.
         prompts = await asyncio.to_thread(build_prompts)
+        if echo and getattr(body, "logprobs", None) is not None:
+            check_prompt_logprobs(server, [len(p) for p in prompts], body.n)
         guide = requested_guide(body)
         if tools is not None and tools.guide is not None:
             if guide is not None:
@@ -340,8 +352,11 @@ async def _generate(
             guide = (tools.guide, "tools")
         if guide is not None:
             # A schema the library cannot compile is refused here; compiling takes from
-            # milliseconds to seconds, so not on the loop. The engine finds it cached.
-            await asyncio.to_thread(engine.grammars.compile, *guide)
+            # milliseconds to seconds, so not on the loop, and a few at a time so that
+            # tokenizing keeps pool threads. The guide carries its matcher to the engine.
+            async with state.grammar_compiles:
+                compiled = await asyncio.to_thread(engine.grammars.compile, *guide)
+            guide = (dataclasses.replace(guide[0], compiled=compiled), guide[1])
         specs = _choice_specs(
             body,
             prompts,
@@ -380,7 +395,7 @@ async def _generate(
         chunks = _sse_chunks(choices, shape, kind, rid, created, model, body.include_usage)
         return EngineEventStream(choices, chunks, headers=headers)  # type: ignore[arg-type]
     try:
-        collected = await _collect(choices, shape, request)
+        events = await _collect(choices, request)
     except ClientGone:
         return error_response(400, "the client closed the request", code="client_disconnected")
     finally:
@@ -394,15 +409,21 @@ async def _generate(
         "completion_tokens": completion_tokens,
         "total_tokens": choices.prompt_tokens + completion_tokens,
     }
-    payload = {
-        "id": rid,
-        "object": kind,
-        "created": created,
-        "model": model,
-        "choices": collected,
-        "usage": usage,
-    }
-    return JSONResponse(payload, headers=headers)
+
+    def answer() -> bytes:
+        payload = {
+            "id": rid,
+            "object": kind,
+            "created": created,
+            "model": model,
+            "choices": _assemble(choices, shape, events),
+            "usage": usage,
+        }
+        return encode_json(payload)
+
+    # 256 choices with echoed prompt logprobs are tens of megabytes of JSON: seconds of work.
+    content = await asyncio.to_thread(answer)
+    return Response(content, media_type="application/json", headers=headers)
 
 
 def _raw_prompts(body: CompletionRequest | ChatCompletionRequest) -> list[str | list[int]]:
@@ -448,32 +469,44 @@ def _delta_tool_call(d: CallDelta) -> dict[str, Any]:
     }
 
 
-async def _collect(choices: Choices, shape: _Shape, request: Request) -> list[dict[str, Any]]:
-    """Await every choice's whole answer; raises ClientGone if the client disconnects first."""
+async def _collect(choices: Choices, request: Request) -> dict[int, list[RequestOutput]]:
+    """Every choice's events, by choice index, once all have finished; raises ClientGone if
+    the client disconnects first. Only gathers: formatting is _assemble's, off the loop."""
     watcher = asyncio.create_task(choices.watch_disconnect(request.receive))
+    events: dict[int, list[RequestOutput]] = {spec.index: [] for spec in choices.specs}
+    try:
+        async for index, out in choices.events():
+            events[index].append(out)
+    finally:
+        watcher.cancel()
+    return events
+
+
+def _assemble(
+    choices: Choices, shape: _Shape, events: dict[int, list[RequestOutput]]
+) -> list[dict[str, Any]]:
+    """The answer's choices from their events; runs on a worker thread (no loop objects)."""
     by_index = {
         spec.index: (spec, stream)
         for spec, stream in zip(choices.specs, choices.streams, strict=True)
     }
     texts: dict[int, list[str]] = {i: [] for i in by_index}
     lps: dict[int, list[dict[str, Any]]] = {i: [] for i in by_index}
-    builders = {i: CompletionLogprobs(shape.token_text) for i in by_index}
-    try:
-        async for index, out in choices.events():
-            spec, _ = by_index[index]
-            if shape.echo and not texts[index]:
-                texts[index].append(shape.prompt_texts[spec.prompt_index])
+    for index, outs in events.items():
+        spec, _ = by_index[index]
+        builder = CompletionLogprobs(shape.token_text)
+        if shape.echo:
+            texts[index].append(shape.prompt_texts[spec.prompt_index])
+        for out in outs:
             if not shape.prompt_only:
                 texts[index].append(out.text)
             if shape.logprobs:
                 if shape.chat:
                     lps[index] += chat_content(out.logprobs or [], shape.token_text)
                 else:
-                    block = _completion_logprobs(shape, spec, out, builders[index])
+                    block = _completion_logprobs(shape, spec, out, builder)
                     if block is not None:
                         lps[index].append(block)
-    finally:
-        watcher.cancel()
     result = []
     for index in sorted(by_index):
         _, stream = by_index[index]
@@ -503,6 +536,11 @@ async def _collect(choices: Choices, shape: _Shape, request: Request) -> list[di
                 {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
             )
     return result
+
+
+def _sse_pieces(data: dict[str, Any]) -> bytes:
+    """_sse for a large chunk, on a worker thread: encoded without one long GIL hold."""
+    return b"data: " + encode_json(data) + b"\n\n"
 
 
 def _sse(data: dict[str, Any] | str) -> bytes:
@@ -593,6 +631,28 @@ async def _sse_chunks(
             out.append(chunk(index, None, None, logprobs))
         return out
 
+    def render(
+        index: int,
+        spec: ChoiceSpec,
+        out: RequestOutput,
+        text: str,
+        encode: Callable[[dict[str, Any]], bytes],
+    ) -> list[bytes]:
+        """One event's chunks, encoded; none for a failed choice (the loop answers that)."""
+        logprobs: dict[str, Any] | None = None
+        if shape.logprobs:
+            if chat:
+                entries = chat_content(out.logprobs or [], shape.token_text)
+                logprobs = {"content": entries} if entries else None
+            else:
+                logprobs = _completion_logprobs(shape, spec, out, builders[index])
+                if logprobs is not None and not logprobs["tokens"]:
+                    logprobs = None
+        if out.finished and by_index[index][1].finish_reason == "error":
+            return []
+        # A token that completes no character yet has nothing to show (unless logprobs).
+        return [encode(p) for p in pieces(index, text, logprobs, finished=out.finished)]
+
     async for index, out in choices.events():
         spec, stream = by_index[index]
         text = "" if shape.prompt_only else out.text
@@ -604,26 +664,21 @@ async def _sse_chunks(
             if shape.echo:
                 text = shape.prompt_texts[spec.prompt_index] + text
         started.add(index)
-        logprobs: dict[str, Any] | None = None
-        if shape.logprobs:
-            if chat:
-                entries = chat_content(out.logprobs or [], shape.token_text)
-                logprobs = {"content": entries} if entries else None
-            else:
-                logprobs = _completion_logprobs(shape, spec, out, builders[index])
-                if logprobs is not None and not logprobs["tokens"]:
-                    logprobs = None
+
+        if shape.echo and shape.logprobs and out.prompt_logprobs:
+            # The echoed prompt's logprobs come with the choice's first event: up to
+            # server.max_prompt_logprob_tokens of them, built and encoded off the loop.
+            encoded = await asyncio.to_thread(render, index, spec, out, text, _sse_pieces)
+        else:
+            encoded = render(index, spec, out, text, _sse)
+        for data in encoded:
+            yield data
         if not out.finished:
-            # A token that completes no character yet has nothing to show (unless logprobs).
-            for piece in pieces(index, text, logprobs, finished=False):
-                yield _sse(piece)
             continue
         if stream.finish_reason == "error":
             choices.close()
             yield _sse(error_body(500, stream.error or "generation failed", code="engine_error"))
             break
-        for piece in pieces(index, text, logprobs, finished=True):
-            yield _sse(piece)
         yield _sse(chunk(index, None, _finish_reason(shape, stream, readers[index])))
     else:
         if include_usage:

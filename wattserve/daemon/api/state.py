@@ -2,13 +2,15 @@
 
 It holds what the API needs beyond the frozen config: the lifecycle phase (loading,
 warming, ready, draining, failed), the engine once it exists, the admission count that bounds
-the waiting queue, the stored control policy and the resolved API token. Values derived
-at runtime live here and are never written back into the config. It must not speak
-HTTP; handlers translate its refusals (`Unavailable`) into responses.
+the waiting queue, the bound on grammar compilations running at once, the stored control
+policy and the resolved API token. Values derived at runtime live here and are never written
+back into the config. It must not speak HTTP; handlers translate its refusals
+(`Unavailable`) into responses.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import math
 import os
@@ -79,9 +81,13 @@ class ServingState:
     # Mean E2E latency of recent requests; the basis of Retry-After under overload.
     e2e_ewma_s: float | None = None
     created_at_s: float = field(default_factory=time.time)  # wall clock, for /v1/models
+    # Grammar compilations running on the tokenization pool (server.max_concurrent_grammar_
+    # compiles); requests beyond wait here, on the loop, holding no pool thread.
+    grammar_compiles: asyncio.Semaphore = field(init=False)
 
     def __post_init__(self) -> None:
         self.policy = to_policy(self.cfg.controller)
+        self.grammar_compiles = asyncio.Semaphore(self.cfg.server.max_concurrent_grammar_compiles)
         self.request_events.subscribe(self.metrics)
 
     @property

@@ -21,7 +21,7 @@ import torch
 
 from wattserve.daemon.engine.request import GuidedDecoding, InvalidRequestError
 
-_CACHED_GRAMMARS = 64  # compiled matchers kept for reuse (copied per sequence)
+CACHED_GRAMMARS = 64  # compiled matchers kept for reuse (copied per sequence)
 # Compact JSON with json.dumps' separators and no free whitespace: a model that likes
 # spaces could otherwise pad an answer until max_tokens.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -31,8 +31,15 @@ class Grammars:
     """Grammar compilation for one tokenizer; thread-safe. The tokenizer table (~1 s on
     a 49k vocabulary) is built at the first compile, on the caller's thread."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: frozenset[int],
+        cache_size: int = CACHED_GRAMMARS,
+    ) -> None:
         self._tokenizer = tokenizer
+        self.cache_size = cache_size
         self.vocab_size = vocab_size
         eos = getattr(tokenizer, "eos_token_id", None)
         self._eos = eos if isinstance(eos, int) else min(stop_token_ids, default=None)
@@ -76,13 +83,18 @@ class Grammars:
             raise _invalid(guide, param, matcher.get_error())
         with self._lock:
             self._cache[key] = matcher
-            while len(self._cache) > _CACHED_GRAMMARS:
+            while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return matcher
 
     def state(self, guide: GuidedDecoding) -> GrammarState:
-        """A fresh matcher for one sequence (a copy of the compiled one)."""
-        return GrammarState(self.compile(guide, "response_format").deep_copy())
+        """A fresh matcher for one sequence (a copy of the compiled one). A guide that
+        carries its compiled matcher is never compiled here: callers on the event loop
+        compile off it first (the cache may have evicted the grammar since)."""
+        compiled = guide.compiled
+        if compiled is None:
+            compiled = self.compile(guide, "response_format")
+        return GrammarState(compiled.deep_copy())  # type: ignore[attr-defined]
 
     def fill_masks(self, states: list[GrammarState | None]) -> torch.Tensor | None:
         """[N, ceil(V/32)] int32 bitmask for a step's sampled rows (all ones where a row

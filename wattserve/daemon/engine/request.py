@@ -34,10 +34,13 @@ class GuidedDecoding:
 
     value: the JSON schema as JSON text ("json"), the regex ("regex"), the choices as a
     JSON list of strings ("choice"), Lark or GBNF ("grammar"); empty for "json_object".
+    compiled: the matcher Grammars.compile made for it, carried so that queueing the request
+    never compiles again (a cache eviction meanwhile would do it on the caller's thread).
     """
 
     kind: GuideKind
     value: str = ""
+    compiled: object = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
