@@ -11,13 +11,16 @@ switch between two steps leaves the KV cache and every running sequence as they 
 Everything lives on one torch device (the engine's): weights, the KV pool, the rotary
 table and each step's tensors, which prepare() builds on the host and moves in one copy
 (from pinned memory, non-blocking, on CUDA). forward() itself never reads a value back to
-the host: on the CPU it calls the C++ attention kernel, on other devices a static-shape
-decode attention or, for prefill and mixed steps, paged_attention_torch fed with the
-chunk bounds the host already knows.
+the host. Attention is one call per layer for every step kind: on the CPU the C++ kernel,
+on CUDA our Triton kernel (wattserve/kernels/triton_attention.py; its query tiles come
+with the step's inputs), elsewhere or without triton a static-shape decode attention or,
+for prefill and mixed steps, paged_attention_torch fed with the chunk bounds the host
+already knows.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 from dataclasses import dataclass, field
 
@@ -39,6 +42,7 @@ from wattserve.kernels.attention import (
     paged_attention,
     paged_attention_torch,
     paged_decode_attention,
+    query_tiles,
     rope_write_kv,
 )
 from wattserve.kernels.extension import load_cpu_kernels
@@ -53,8 +57,8 @@ from wattserve.kernels.quant import (
     parse_level,
 )
 
-# Whether kernels/attention.py takes a sliding window (the `attention` branch adds it).
-WINDOW_SUPPORTED = False
+# Whether kernels/attention.py takes a sliding window (every backend does).
+WINDOW_SUPPORTED = True
 
 
 @dataclass
@@ -132,6 +136,9 @@ class StepInputs:
     # The same bounds as host lists, so that attention off the CPU needs no read-back.
     host_query_start: list[int] | None = None
     host_context_lens: list[int] | None = None
+    # [tiles, 2] (chunk, first row in it): the Triton attention's work list for a step that
+    # is not decode-only (attention.query_tiles); empty otherwise.
+    query_tiles: torch.Tensor | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -152,6 +159,7 @@ class StepLayout:
     block_tables: list[list[int]] = field(default_factory=list)  # rows of equal width
     sampled_chunks: list[ScheduledChunk] = field(default_factory=list)
     prompt_logit_chunks: list[tuple[ScheduledChunk, int]] = field(default_factory=list)
+    query_tiles: list[int] = field(default_factory=list)  # flat (chunk, first row) pairs
 
     def parts(self) -> tuple[list[int], ...]:
         """The int64 fields in the order of one flat device buffer."""
@@ -164,6 +172,7 @@ class StepLayout:
             self.context_lens,
             self.logits_indices,
             table,
+            self.query_tiles,
         )
 
 
@@ -260,8 +269,11 @@ class LlamaModel:
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
         # Built (first start on this machine) or loaded now, not in the first request's step.
-        on_cpu = dev.type == "cpu"
-        self.attention_backend = "cpp" if on_cpu and load_cpu_kernels() else "torch"
+        self.attention_backend = _attention_backend(dev)
+        # Per-layer sliding windows (None: full causal) and the logit soft-cap, for the
+        # model families that have them; every attention backend takes both.
+        self.sliding_windows: list[int | None] = list(fam.windows)
+        self.logit_softcap: float | None = fam.attn_softcap
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """The paged K/V pool: num_blocks blocks for the KV manager plus one more, block
@@ -448,6 +460,8 @@ class LlamaModel:
         lay.logits_indices.extend(extra_rows)
         width = max((len(r) for r in lay.block_tables), default=0)
         lay.block_tables = [_pad(r, width) for r in lay.block_tables]
+        if self.attention_backend == "triton" and len(ids) != len(lay.context_lens):
+            lay.query_tiles = query_tiles(lay.query_start)
         return lay
 
     def inputs_from(self, lay: StepLayout, into: torch.Tensor | None = None) -> StepInputs:
@@ -468,6 +482,7 @@ class LlamaModel:
             query_start=views[3],
             context_lens=views[4],
             logits_indices=views[5],
+            query_tiles=views[7].view(-1, 2),
             sampled_chunks=lay.sampled_chunks,
             host_query_start=lay.query_start,
             host_context_lens=lay.context_lens,
@@ -585,36 +600,61 @@ class LlamaModel:
             part.copy_(self._norm(view, weight).reshape(t, heads * d))
 
     def _attention(self, layer: int, q: torch.Tensor, inp: StepInputs) -> torch.Tensor:
-        if self.attention_backend != "cpp":
-            if inp.decode_only:  # static shapes: no read-back, capturable in a CUDA graph
-                return paged_decode_attention(
-                    q,
-                    self.k_cache[layer],
-                    self.v_cache[layer],
-                    inp.block_tables,
-                    inp.context_lens,
-                    self.scale,
-                )
-            return paged_attention_torch(
+        """One attention call for the layer, whatever the step's kind (see the backends in
+        the module docstring)."""
+        caches = (self.k_cache[layer], self.v_cache[layer])
+        opts = dict(sliding_window=self.sliding_windows[layer], logit_softcap=self.logit_softcap)
+        if self.attention_backend == "triton":
+            # imported by _attention_backend at start; this is a lookup in sys.modules
+            from wattserve.kernels.triton_attention import triton_paged_attention
+
+            return triton_paged_attention(
                 q,
-                self.k_cache[layer],
-                self.v_cache[layer],
+                *caches,
+                inp.block_tables,
+                inp.query_start,
+                inp.context_lens,
+                inp.query_tiles,
+                self.scale,
+                **opts,
+            )
+        if self.attention_backend == "cpp":
+            return paged_attention(
+                q.contiguous(),  # already, from the CPU's rope_write_kv
+                *caches,
                 inp.block_tables,
                 inp.query_start,
                 inp.context_lens,
                 self.scale,
-                host_query_start=inp.host_query_start,
-                host_context_lens=inp.host_context_lens,
+                **opts,
             )
-        return paged_attention(
-            q.contiguous(),  # already, from the CPU's rope_write_kv
-            self.k_cache[layer],
-            self.v_cache[layer],
+        if inp.decode_only:  # static shapes: no read-back, capturable in a CUDA graph
+            return paged_decode_attention(
+                q, *caches, inp.block_tables, inp.context_lens, self.scale, **opts
+            )
+        return paged_attention_torch(
+            q,
+            *caches,
             inp.block_tables,
             inp.query_start,
             inp.context_lens,
             self.scale,
+            host_query_start=inp.host_query_start,
+            host_context_lens=inp.host_context_lens,
+            **opts,
         )
+
+
+def _attention_backend(device: torch.device) -> str:
+    """cpp: the C++ kernel on the CPU (where it builds); triton: our Triton kernel on CUDA
+    (where triton is installed, as with torch's CUDA wheels); torch: SDPA paths otherwise."""
+    if device.type == "cpu":
+        return "cpp" if load_cpu_kernels() else "torch"
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        import wattserve.kernels.triton_attention  # noqa: F401  (compiles nothing yet)
+
+        return "triton"
+    return "torch"
 
 
 def _linear_bytes(layers: list[LayerWeights], lm_head: LinearLike) -> int:
