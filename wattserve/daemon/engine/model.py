@@ -275,6 +275,10 @@ class LlamaModel:
         self.sliding_windows: list[int | None] = list(fam.windows)
         self.logit_softcap: float | None = fam.attn_softcap
 
+    def prefix_salt(self, seq) -> bytes:
+        """What a sequence's cached KV depends on besides its tokens (KVCacheManager.match)."""
+        return self.rope.prefix_salt(len(seq.prompt_token_ids), seq.num_tokens)
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """The paged K/V pool: num_blocks blocks for the KV manager plus one more, block
         `pad_block`, that it never hands out: padded rows of a bucketed decode batch
@@ -444,7 +448,9 @@ class LlamaModel:
             end = c.start + c.num_tokens
             ids.extend(c.seq.token_ids(c.start, end))
             positions = range(c.start, end)
-            pos.extend(self.rope.rows(c.start, end, len(c.seq.prompt_token_ids)))
+            pos.extend(
+                self.rope.rows(c.start, end, len(c.seq.prompt_token_ids), c.seq.num_tokens)
+            )
             slots.extend(table[p // bs] * bs + p % bs for p in positions)
             lay.query_start.append(len(ids))
             lay.context_lens.append(end)

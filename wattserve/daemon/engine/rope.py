@@ -5,8 +5,10 @@ on the model's config, so a variant means here what it means there: default, lin
 llama3 and yarn are one fixed table; longrope picks its short or long factors, and
 dynamic NTK its base, from the length of the sequence a token belongs to, as transformers
 does for one sequence generated alone: a prompt token sees the whole prompt's length, a
-generated token its own position + 1. That choice is folded into the token's row
-(`rows()`), so a step's tensors stay one int64 per token and forward() reads nothing back.
+generated token its own position + 1 (longrope: the sequence's length now, its KV
+recomputed when it crosses the original context, as Phi-3's generate does). That choice
+is folded into the token's row (`rows()`), so a step's tensors stay one int64 per token
+and forward() reads nothing back.
 Partial rotary (Phi-3's `partial_rotary_factor`) is served by padding the table with
 cos 1, sin 0 and permuting q/k's head dims at load (`partial_rotary_perm`).
 This module builds tables and rows; it must not touch weights or the KV cache.
@@ -114,18 +116,33 @@ class RopeTable:
         missing = self.head_dim // 2 - part.shape[-1]
         return torch.nn.functional.pad(part, (0, missing), value=value) if missing else part
 
-    def rows(self, start: int, end: int, prompt_len: int) -> list[int]:
-        """Rows of positions start..end-1 of a sequence whose prompt has prompt_len tokens."""
-        if not self.length_dependent:
-            return list(range(start, end))
-        rows = []
-        for p in range(start, end):
-            seq_len = max(prompt_len, p + 1)  # what transformers' max(position_ids) + 1 is
-            if self.kind == "longrope":
-                rows.append(p + self.max_positions * (seq_len > self.original_max))
-            else:
-                rows.append(p + self.max_positions * seq_len)
-        return rows
+    def rows(self, start: int, end: int, prompt_len: int, num_tokens: int) -> list[int]:
+        """Rows of positions start..end-1 of a sequence whose prompt has prompt_len tokens
+        and which holds num_tokens tokens now (prompt and generated)."""
+        if self.kind == "longrope":
+            # Long factors once the sequence is longer than the original context; the
+            # scheduler recomputes its whole KV when it crosses (recompute_at_tokens).
+            return [
+                p + self.max_positions * (num_tokens > self.original_max) for p in range(start, end)
+            ]
+        if self.kind == "dynamic":
+            # What transformers' max(position_ids) + 1 is for one sequence generated alone.
+            return [p + self.max_positions * max(prompt_len, p + 1) for p in range(start, end)]
+        return list(range(start, end))
+
+    def prefix_salt(self, prompt_len: int, num_tokens: int) -> bytes:
+        """What a sequence's cached KV depends on besides its tokens (see rows())."""
+        if self.kind == "longrope":
+            return b"long" if num_tokens > self.original_max else b""
+        if self.kind == "dynamic" and prompt_len > self._config.max_position_embeddings:
+            return str(prompt_len).encode()
+        return b""
+
+    @property
+    def recompute_at_tokens(self) -> int | None:
+        """The length at which a sequence's KV is recomputed under the long factors: what
+        transformers' Phi-3 generate does when a sequence outgrows the original context."""
+        return self.original_max + 1 if self.kind == "longrope" else None
 
     def lookup(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """rows: [T] int64 from rows() -> (cos, sin), each [T, 1, D/2]."""
