@@ -213,3 +213,29 @@ def make_family_dir(
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+FAMILY_CONFIGS.update(
+    {
+        # gemma-2-2b: 8 heads, 4 KV heads, query_pre_attn_scalar = head_dim, local/global
+        # alternating, soft-caps 50 (attention) and 30 (final), tied. Window 32 so that a
+        # 300-token prompt crosses it.
+        "gemma2": (
+            "Gemma2Config",
+            "Gemma2ForCausalLM",
+            dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=256, query_pre_attn_scalar=16, sliding_window=32,
+                 attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                 tie_word_embeddings=True),
+        ),
+        # gemma-3-1b: 4 heads, 1 KV head, head_dim 256 (> hidden/heads), local rope base
+        # 10k and global 1M, sliding and full layers, tied.
+        "gemma3": (
+            "Gemma3TextConfig",
+            "Gemma3ForCausalLM",
+            dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                 intermediate_size=384, query_pre_attn_scalar=32, sliding_window=32,
+                 layer_types=["sliding_attention", "full_attention"],
+                 tie_word_embeddings=True),
+        ),
+    }
+)
