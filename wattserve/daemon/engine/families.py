@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from wattserve.daemon.engine.rope import check_rope
+from wattserve.daemon.engine.rope import RopeConfigError, check_rope
 
 SUPPORTED_ARCHITECTURES = (
     "llama",
@@ -106,7 +106,10 @@ def describe(hf_config, window_supported: bool = False) -> Family:
         )
     per_type_rope = kind in ("gemma3", "gemma3_text")
     layer_rope = layer_types if per_type_rope else (None,) * layers
-    check_rope(cfg, tuple(dict.fromkeys(layer_rope)))
+    try:
+        check_rope(cfg, tuple(dict.fromkeys(layer_rope)))
+    except RopeConfigError as e:
+        raise FamilyConfigError(str(e)) from None
     common = dict(windows=windows, layer_rope=layer_rope)
     if kind in ("llama", "mistral", "qwen2"):
         return Family(kind, **common)
