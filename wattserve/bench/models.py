@@ -169,15 +169,17 @@ def hf_run(hf_model, prompt: list[int], new_tokens: int):
     import torch
 
     ids = torch.tensor([prompt])
-    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False)
+    # An id outside the vocabulary as EOS: never stops early, bans nothing (as the
+    # engine's greedy loop here; min_new_tokens would ban the real EOS).
+    vocab = hf_model.config.get_text_config().vocab_size
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=vocab + 1)
     with torch.inference_mode():
         t0 = time.perf_counter()
-        hf_model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        hf_model.generate(ids, max_new_tokens=1, **kw)
         t1 = time.perf_counter()
         out = hf_model.generate(
             ids,
             max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
             output_logits=True,
             return_dict_in_generate=True,
             **kw,
