@@ -251,7 +251,7 @@ class LlamaModel:
             embed = inner.embed_tokens.weight.detach()
             self.embed = embed.to(dev, dtype).contiguous()
             # Gemma rounds sqrt(hidden) to the model's dtype before scaling.
-            self.embed_scale = torch.tensor(fam.embed_scale, dtype=dtype).item()
+            self.embed_scale = torch.tensor(fam.embed_scale, dtype=dtype, device="cpu").item()
             head_param = hf_model.get_output_embeddings().weight
             same = head_param.data_ptr() == embed.data_ptr()
             self.tied_embeddings = same

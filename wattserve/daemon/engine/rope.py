@@ -55,7 +55,7 @@ def partial_rotary_perm(head_dim: int, rotary_dim: int) -> torch.Tensor | None:
     second = [half_r + i for i in range(half_r)] + [
         rotary_dim + half_rest + i for i in range(half_rest)
     ]
-    return torch.tensor(first + second, dtype=torch.long)
+    return torch.tensor(first + second, dtype=torch.long, device="cpu")
 
 
 class RopeTable:
@@ -102,7 +102,7 @@ class RopeTable:
         return self.kind in ("longrope", "dynamic")
 
     def _table(self, inv_sets: torch.Tensor, sets: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(self.max_positions, dtype=torch.float32)
+        pos = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
         cos_parts, sin_parts = [], []
         for inv in inv_sets.view(sets, -1):
             freqs = torch.outer(pos, inv.float())
