@@ -230,7 +230,7 @@ class Engine:
         limit = options.max_model_len or shape.max_position_embeddings
         limit = min(limit, shape.max_position_embeddings, self.kv_spec.capacity_tokens)
         window = getattr(cfg, "sliding_window", None)
-        if cfg.model_type == "mistral" and window:
+        if cfg.model_type in ("mistral", "mixtral") and window:
             limit = min(limit, window)  # no sliding-window attention: stay inside the window
         self.max_model_len = limit
         self.kv = KVCacheManager(
@@ -253,7 +253,7 @@ class Engine:
         self.kv.set_namespace(start_level)
         self._quant_target = start_level  # written by set_quant_level, read by the loop
         self._graphs: DecodeGraphs | None = None
-        if dev.type == "cuda" and options.cuda_graphs:
+        if dev.type == "cuda" and options.cuda_graphs and self.model.graph_capturable:
             self._graphs = DecodeGraphs(self.model, options.max_num_seqs, self.max_model_len)
         self._weight_bytes = self.model.weight_bytes()
         self._kv_bytes_per_token = bpb // options.block_size_tokens

@@ -1,4 +1,4 @@
-"""Llama-family forward (llama, mistral, qwen2) over the paged KV cache.
+"""Llama-family forward (llama, mistral, qwen2, mixtral) over the paged KV cache.
 
 Takes the weights of a loaded transformers model once (fusing q/k/v and gate/up into
 single matrices), then runs flat token batches: every scheduled token of every
@@ -13,7 +13,8 @@ table and each step's tensors, which prepare() builds on the host and moves in o
 (from pinned memory, non-blocking, on CUDA). forward() itself never reads a value back to
 the host: on the CPU it calls the C++ attention kernel, on other devices a static-shape
 decode attention or, for prefill and mixed steps, paged_attention_torch fed with the
-chunk bounds the host already knows.
+chunk bounds the host already knows. A mixture-of-experts layer (moe.py) takes the
+place of the gate_up/down MLP; everything else about the layer is the same.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from wattserve.daemon.engine.moe import MoeBlock, MoeSpec, build_moe_block, moe_spec
 from wattserve.daemon.engine.scheduler import ScheduledChunk
 from wattserve.kernels.attention import (
     paged_attention,
@@ -36,6 +38,7 @@ from wattserve.kernels.linear import Linear
 from wattserve.kernels.norm_rope import RotaryTable, add_rms_norm, rms_norm, silu_mul
 from wattserve.kernels.quant import (
     LinearLike,
+    QuantLevel,
     full_precision_level,
     head_level,
     linear_nbytes,
@@ -43,7 +46,7 @@ from wattserve.kernels.quant import (
     parse_level,
 )
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral")
 
 
 @dataclass
@@ -52,8 +55,13 @@ class LayerWeights:
     qkv: LinearLike  # hidden -> (H + 2*KVH) * D, with bias for qwen2
     o: LinearLike  # H * D -> hidden
     post_norm: torch.Tensor  # [hidden]
-    gate_up: LinearLike  # hidden -> 2 * inter
-    down: LinearLike  # inter -> hidden
+    gate_up: LinearLike | None  # hidden -> 2 * inter; None in a MoE layer
+    down: LinearLike | None  # inter -> hidden; None in a MoE layer
+    moe: MoeBlock | None = None  # the sparse MLP that replaces gate_up/down
+
+    def linears(self) -> list[LinearLike | MoeBlock]:
+        mlp = [self.moe] if self.moe is not None else [self.gate_up, self.down]
+        return [self.qkv, self.o, *mlp]
 
 
 @dataclass(frozen=True)
@@ -180,7 +188,11 @@ class LlamaModel:
             self.tied_embeddings = same
             head = Linear(self.embed if same else lm_head.to(dev, dtype))
             self.final_norm = inner.norm.weight.detach().to(dev, dtype)
-            layers = [self._take_layer(layer, dtype, dev) for layer in inner.layers]
+            self.moe_specs = [moe_spec(cfg, i) for i in range(len(inner.layers))]
+            layers = [
+                self._take_layer(layer, spec, None, dtype, dev, None)
+                for layer, spec in zip(inner.layers, self.moe_specs, strict=True)
+            ]
         base = LevelWeights(self.full_precision_level, layers, head, _linear_bytes(layers, head))
         self._levels[base.level] = base
         self._active = base
@@ -220,21 +232,54 @@ class LlamaModel:
         self.k_cache, self.v_cache = pool(), pool()
 
     @staticmethod
-    def _take_layer(layer, dtype: torch.dtype, dev: torch.device) -> LayerWeights:
+    def _take_layer(
+        layer,
+        spec: MoeSpec | None,
+        level: QuantLevel | None,
+        dtype: torch.dtype,
+        dev: torch.device,
+        base: LayerWeights | None,
+    ) -> LayerWeights:
+        """One layer's weights: level None builds the full-precision packed linears (and
+        the norms); otherwise make_linear at `level`, norms shared with `base`."""
         att, mlp = layer.self_attn, layer.mlp
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearLike:
+            if level is None:
+                return Linear(weight.detach().to(dev, dtype), bias)
+            # Quantized on the device: the CUDA int4 packing is CUDA's own layout.
+            return make_linear(weight.to(dev), bias, level, dtype)
+
         qkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight], dim=0)
         bias = _qkv_bias(att)
         if bias is not None:
-            bias = bias.to(dev, dtype)
-        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0)
+            bias = bias.to(dev) if level is not None else bias.to(dev, dtype)
+        gate_up = down = moe = None
+        if spec is None:
+            gate_up = linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0))
+            down = linear(mlp.down_proj.weight)
+        else:
+            moe = build_moe_block(spec, mlp, level, dtype, dev)
+        if base is None:
+            input_norm = layer.input_layernorm.weight.detach().to(dev, dtype)
+            post_norm = layer.post_attention_layernorm.weight.detach().to(dev, dtype)
+        else:
+            input_norm, post_norm = base.input_norm, base.post_norm
         return LayerWeights(
-            input_norm=layer.input_layernorm.weight.detach().to(dev, dtype),
-            qkv=Linear(qkv.detach().to(dev, dtype), bias),
-            o=Linear(att.o_proj.weight.detach().to(dev, dtype)),
-            post_norm=layer.post_attention_layernorm.weight.detach().to(dev, dtype),
-            gate_up=Linear(gate_up.detach().to(dev, dtype)),
-            down=Linear(mlp.down_proj.weight.detach().to(dev, dtype)),
+            input_norm=input_norm,
+            qkv=linear(qkv, bias),
+            o=linear(att.o_proj.weight),
+            post_norm=post_norm,
+            gate_up=gate_up,
+            down=down,
+            moe=moe,
         )
+
+    @property
+    def graph_capturable(self) -> bool:
+        """Whether a decode step can be captured in a CUDA graph: not with a MoE layer,
+        whose block reads its per-expert token counts back to the host."""
+        return all(spec is None for spec in self.moe_specs)
 
     # ---- quantization levels ---------------------------------------------------------
     @property
@@ -265,27 +310,13 @@ class LlamaModel:
                 return self._levels[level]
             hf, dtype, dev = self._hf_model, self.dtype, self.device
             with torch.no_grad():
-                layers = []
-                for base_lw, layer in zip(
-                    self._levels[self.full_precision_level].layers, hf.model.layers, strict=True
-                ):
-                    att, mlp = layer.self_attn, layer.mlp
-                    qkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
-                    gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-                    bias = _qkv_bias(att)
-                    # Quantized on the device: the CUDA int4 packing is CUDA's own layout.
-                    layers.append(
-                        LayerWeights(
-                            input_norm=base_lw.input_norm,
-                            qkv=make_linear(
-                                qkv.to(dev), None if bias is None else bias.to(dev), spec, dtype
-                            ),
-                            o=make_linear(att.o_proj.weight.to(dev), None, spec, dtype),
-                            post_norm=base_lw.post_norm,
-                            gate_up=make_linear(gate_up.to(dev), None, spec, dtype),
-                            down=make_linear(mlp.down_proj.weight.to(dev), None, spec, dtype),
-                        )
+                base_layers = self._levels[self.full_precision_level].layers
+                layers = [
+                    self._take_layer(layer, moe, spec, dtype, dev, base_lw)
+                    for layer, moe, base_lw in zip(
+                        hf.model.layers, self.moe_specs, base_layers, strict=True
                     )
+                ]
                 head_w = hf.get_output_embeddings().weight.to(dev)
                 head = make_linear(head_w, None, head_level(spec), dtype)
             weights = LevelWeights(level, layers, head, _linear_bytes(layers, head))
@@ -304,14 +335,22 @@ class LlamaModel:
         spec = parse_level(level)
         s = self.shape
         qkv_out = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
-        per_layer = (
-            linear_nbytes(qkv_out, s.hidden_size, spec)
-            + linear_nbytes(s.hidden_size, s.num_heads * s.head_dim, spec)
-            + linear_nbytes(2 * s.intermediate_size, s.hidden_size, spec)
-            + linear_nbytes(s.hidden_size, s.intermediate_size, spec)
+        attention = linear_nbytes(qkv_out, s.hidden_size, spec) + linear_nbytes(
+            s.hidden_size, s.num_heads * s.head_dim, spec
+        )
+        dense_mlp = linear_nbytes(2 * s.intermediate_size, s.hidden_size, spec) + linear_nbytes(
+            s.hidden_size, s.intermediate_size, spec
+        )
+        # A MoE layer's router stays at the full-precision dtype (moe.py).
+        mlps = sum(
+            dense_mlp
+            if moe is None
+            else moe.linear_bytes(s.hidden_size, spec)
+            + moe.num_experts * s.hidden_size * self.dtype.itemsize
+            for moe in self.moe_specs
         )
         head = linear_nbytes(s.vocab_size, s.hidden_size, head_level(spec))
-        return s.num_layers * per_layer + head
+        return s.num_layers * attention + mlps + head
 
     def weight_bytes(self) -> int:
         """Weight bytes one step reads at the active level: the linears incl. the LM head,
@@ -430,7 +469,10 @@ class LlamaModel:
             )  # [T, H, D], k and v stored
             attn = self._attention(i, q, inp)  # [T, H, D]
             x = add_rms_norm(hidden, lw.o(attn.reshape(t, h_dim)), lw.post_norm, s.rms_norm_eps)
-            mlp_out = lw.down(silu_mul(lw.gate_up(x)))
+            if lw.moe is not None:
+                mlp_out = lw.moe(x)
+            else:
+                mlp_out = lw.down(silu_mul(lw.gate_up(x)))
             if i + 1 < len(layers):  # the residual add fused with the next layer's norm
                 x = add_rms_norm(hidden, mlp_out, layers[i + 1].input_norm, s.rms_norm_eps)
             else:
@@ -478,7 +520,7 @@ def _qkv_bias(att) -> torch.Tensor | None:
 
 
 def _linear_bytes(layers: list[LayerWeights], lm_head: LinearLike) -> int:
-    per_layer = sum(lin.nbytes for lw in layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down))
+    per_layer = sum(lin.nbytes for lw in layers for lin in lw.linears())
     return per_layer + lm_head.nbytes
 
 
