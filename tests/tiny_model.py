@@ -122,3 +122,120 @@ def tiny_hf_llama(weight_std: float | None = None):
                 if p.dim() == 2:
                     p.normal_(0, weight_std)
     return model
+
+
+# Per family: (config class name, model class name, config keys) with the real smallest
+# model's ratios of heads, KV heads, head dim, MLP width, tying and multipliers, scaled
+# down to a hidden size of 64-96 (each one's source is in the comment).
+FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
+    # Qwen3-0.6B: 16 heads, 8 KV heads, head_dim 128 = 2 x hidden/heads, MLP 3x, tied.
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+             intermediate_size=192, tie_word_embeddings=True, rope_theta=1e6),
+    ),
+    # Phi-4-mini: 24 heads, 8 KV heads, partial rotary 0.75, longrope (4096 -> 131072), tied.
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2,
+             intermediate_size=256, tie_word_embeddings=True, partial_rotary_factor=0.75,
+             max_position_embeddings=1024, original_max_position_embeddings=256,
+             rope_scaling={"rope_type": "longrope",
+                           "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                           "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}),
+    ),
+    # OLMo-2-0425-1B: 16 heads, 16 KV heads, MLP 4x, untied.
+    "olmo2": (
+        "Olmo2Config",
+        "Olmo2ForCausalLM",
+        dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+             intermediate_size=256, tie_word_embeddings=False),
+    ),
+    # granite-3.3-2b: 32 heads, 8 KV heads, MLP 4x, tied; embedding x12, residual x0.22,
+    # attention_multiplier 1/head_dim, logits / 8.
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+             intermediate_size=256, tie_word_embeddings=True, embedding_multiplier=12.0,
+             residual_multiplier=0.22, attention_multiplier=0.125, logits_scaling=8.0),
+    ),
+}
+# Rope variants on a Llama body (Llama 3.1's llama3, and the linear, yarn, dynamic kinds).
+ROPE_VARIANTS: dict[str, dict] = {
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+}
+
+
+def make_family_dir(
+    out: Path, family: str, seed: int = 0, layers: int = 2, weight_std: float = 0.15, **extra
+) -> Path:
+    """A random model of `family` (a FAMILY_CONFIGS key, or "llama-<rope variant>") saved
+    with save_pretrained, with the test tokenizer; extra: config keys to override."""
+    import transformers
+
+    tok = build_tokenizer()
+    if family.startswith("llama-"):
+        cfg_name, model_name = "LlamaConfig", "LlamaForCausalLM"
+        variant = ROPE_VARIANTS[family.removeprefix("llama-")]
+        keys = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=128, rope_scaling=dict(variant, rope_theta=10000.0))
+        # dynamic NTK stretches past max_position_embeddings: 300 tokens cross 256.
+        keys["max_position_embeddings"] = 256 if variant["rope_type"] == "dynamic" else 512
+    else:
+        cfg_name, model_name, keys = FAMILY_CONFIGS[family]
+        keys = dict(keys)
+    keys.setdefault("max_position_embeddings", 512)
+    keys.update(extra)
+    cfg = getattr(transformers, cfg_name)(
+        vocab_size=len(tok),
+        num_hidden_layers=layers,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **keys,
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, weight_std)
+            elif p.dim() == 1:  # norm weights: around their own init, not all equal
+                p.add_(torch.randn_like(p) * 0.1)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+FAMILY_CONFIGS.update(
+    {
+        # gemma-2-2b: 8 heads, 4 KV heads, query_pre_attn_scalar = head_dim, local/global
+        # alternating, soft-caps 50 (attention) and 30 (final), tied. Window 32 so that a
+        # 300-token prompt crosses it.
+        "gemma2": (
+            "Gemma2Config",
+            "Gemma2ForCausalLM",
+            dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=256, query_pre_attn_scalar=16, sliding_window=32,
+                 attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                 tie_word_embeddings=True),
+        ),
+        # gemma-3-1b: 4 heads, 1 KV head, head_dim 256 (> hidden/heads), local rope base
+        # 10k and global 1M, sliding and full layers, tied.
+        "gemma3": (
+            "Gemma3TextConfig",
+            "Gemma3ForCausalLM",
+            dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                 intermediate_size=384, query_pre_attn_scalar=32, sliding_window=32,
+                 layer_types=["sliding_attention", "full_attention"],
+                 tie_word_embeddings=True),
+        ),
+    }
+)

@@ -16,12 +16,13 @@ from tests.tiny_moe_model import make_tiny_moe_dir
 from wattserve.bench.quant import sequence_logits
 from wattserve.daemon.engine.engine import Engine, EngineOptions
 from wattserve.daemon.engine.loader import load_model
+from wattserve.daemon.engine.moe import MoeBlock
 from wattserve.daemon.engine.request import SamplingParams
 from wattserve.daemon.engine.scheduler import ScheduledChunk, Sequence
 from wattserve.kernels.int_linear import int_linear_available
 
 DEVICE = torch.device("cpu")
-MOE_ARCHS = ["mixtral"]
+MOE_ARCHS = ["mixtral", "qwen3_moe"]
 PROMPT_LENGTHS = (1, 17, 300)
 CHUNK_TOKENS = 16
 NEW_TOKENS = 48
@@ -58,7 +59,7 @@ def chunked_prefill_logits(model, ids: list[int], chunk: int = CHUNK_TOKENS) -> 
 def test_logits_match_transformers_through_chunked_prefill(arch, moe_models):
     lm = moe_models[arch]
     engine = Engine(lm, EngineOptions(kv_cache_bytes=32 * block_bytes(lm)), device=DEVICE)
-    assert any(lw.moe is not None for lw in engine.model.layers)
+    assert any(isinstance(lw.mlp, MoeBlock) for lw in engine.model.layers)
     for ids in prompts(len(lm.tokenizer)):
         ours = chunked_prefill_logits(engine.model, ids)
         with torch.inference_mode():
@@ -107,8 +108,8 @@ def test_int8_level_matches_the_model_with_its_dequantized_experts(arch, moe_mod
     ids = prompts(len(lm.tokenizer))[1] * 4  # 68 tokens
     ours_routes: list[torch.Tensor] = []
     for lw in model.layers:
-        if lw.moe is not None:
-            lw.moe.route = recording_route(lw.moe.route, ours_routes)
+        if isinstance(lw.mlp, MoeBlock):
+            lw.mlp.route = recording_route(lw.mlp.route, ours_routes)
     ours = sequence_logits(model, ids)
     ref_model = copy.deepcopy(lm.hf_model)
     own_routes: list[torch.Tensor] = []  # what the dequantized model would pick itself
@@ -123,17 +124,17 @@ def test_int8_level_matches_the_model_with_its_dequantized_experts(arch, moe_mod
             att.v_proj.weight.copy_(qkv[q_rows + k_rows :])
             att.o_proj.weight.copy_(lw.o.dequantize())
             mlp = layer.mlp
-            if lw.moe is None:  # a dense layer of qwen3_moe
+            if not isinstance(lw.mlp, MoeBlock):  # a dense layer of qwen3_moe
                 inter = mlp.gate_proj.weight.shape[0]
-                gate_up = lw.gate_up.dequantize()
+                gate_up = lw.mlp.gate_up.dequantize()
                 mlp.gate_proj.weight.copy_(gate_up[:inter])
                 mlp.up_proj.weight.copy_(gate_up[inter:])
-                mlp.down_proj.weight.copy_(lw.down.dequantize())
+                mlp.down_proj.weight.copy_(lw.mlp.down.dequantize())
                 continue
-            mlp.experts.gate_up_proj.copy_(torch.stack([e.dequantize() for e in lw.moe.gate_up]))
-            mlp.experts.down_proj.copy_(torch.stack([e.dequantize() for e in lw.moe.down]))
+            mlp.experts.gate_up_proj.copy_(torch.stack([e.dequantize() for e in lw.mlp.gate_up]))
+            mlp.experts.down_proj.copy_(torch.stack([e.dequantize() for e in lw.mlp.down]))
             mlp.gate.forward = routed_as(
-                mlp.gate.forward, next(forced_routes), lw.moe.spec.renormalize, own_routes
+                mlp.gate.forward, next(forced_routes), lw.mlp.spec.renormalize, own_routes
             )
         ref_model.get_output_embeddings().weight.copy_(weights.lm_head.dequantize())
         ref = ref_model(torch.tensor([ids])).logits[0]

@@ -53,10 +53,10 @@ def dequantized_hf(hf_model, weights):
             att.v_proj.weight.copy_(qkv[q_rows + k_rows :])
             att.o_proj.weight.copy_(lw.o.dequantize())
             inter = mlp.gate_proj.weight.shape[0]
-            gate_up = lw.gate_up.dequantize()
+            gate_up = lw.mlp.gate_up.dequantize()
             mlp.gate_proj.weight.copy_(gate_up[:inter])
             mlp.up_proj.weight.copy_(gate_up[inter:])
-            mlp.down_proj.weight.copy_(lw.down.dequantize())
+            mlp.down_proj.weight.copy_(lw.mlp.down.dequantize())
         model.get_output_embeddings().weight.copy_(weights.lm_head.dequantize())
     return model
 

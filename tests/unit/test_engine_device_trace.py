@@ -22,6 +22,8 @@ What cannot be faked here, and is left to `wattserve bench gpu` on a GPU machine
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -34,6 +36,7 @@ from wattserve.daemon.engine.sampler import sample
 from wattserve.daemon.engine.scheduler import ScheduledChunk, Sequence
 
 CUDA0 = torch.device("cuda", 0)
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 _COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
 
@@ -109,7 +112,7 @@ def test_a_cuda_step_touches_no_host_tensor_and_syncs_once(hf_model, kind, dtype
         model = LlamaModel(hf_model, 8, 4, dtype, CUDA0)
         if level is not None:
             model.use_level(level)  # quantized on the (fake) device
-    assert model.attention_backend == "torch"
+    assert model.attention_backend == ("triton" if HAVE_TRITON else "torch")
     for t in [model.embed, model.final_norm, model.rope.cos, *model.k_cache, *model.v_cache]:
         assert t.device == CUDA0
     qkv = model.layers[0].qkv
@@ -226,3 +229,87 @@ def test_every_tensor_factory_in_the_engine_and_kernels_names_its_device():
                 if not any(k.arg == "device" for k in node.keywords):
                     missing.append(f"{path.relative_to(root)}:{node.lineno} torch.{node.func.attr}")
     assert checked > 10 and missing == []
+
+
+class _OpLog(TorchDispatchMode):
+    """Every op of a traced step (views and prim metadata queries excluded), and those that
+    take a tensor shaped like the KV pool (the write takes a flat view of it)."""
+
+    def __init__(self, pool_shape: torch.Size) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.pool_readers: list[str] = []
+        self._pool_shape = pool_shape
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and func.namespace != "prim":
+            self.ops.append(str(func))
+            if any(t.shape == self._pool_shape for t in _tensors((args, kwargs))):
+                self.pool_readers.append(str(func))
+        return out
+
+
+def _step_chunks(decodes: int, prompts: int) -> tuple[list[ScheduledChunk], dict]:
+    """`decodes` sequences decoding one token after 9 cached ones, then `prompts` chunks
+    of 6 tokens after 5 cached ones; every sequence in 4 blocks of 4."""
+    chunks, tables = [], {}
+    for i in range(decodes + prompts):
+        seq = Sequence(f"s{i}", list(range(1, 16)))
+        tables[seq.seq_id] = [4 * i + b for b in range(4)]
+        if i < decodes:
+            chunks.append(ScheduledChunk(seq, 9, 1, True))
+        else:
+            chunks.append(ScheduledChunk(seq, 5, 6, True))
+    return chunks, tables
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton)")
+def test_cuda_attention_is_one_triton_launch_per_layer_for_every_step_kind(hf_model):
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:
+        model = LlamaModel(hf_model, 64, 4, torch.bfloat16, CUDA0)
+    assert model.attention_backend == "triton"
+    fake.allow_non_fake_inputs = False
+    layers, pool = model.shape.num_layers, model.k_cache[0].shape
+    counts = {}
+    for decodes, prompts in [(1, 0), (8, 0), (1, 1), (8, 4), (0, 3)]:
+        chunks, tables = _step_chunks(decodes, prompts)
+        with fake:
+            inp = model.prepare(chunks, tables)
+            log = _OpLog(pool)
+            with log:
+                model.forward(inp)
+        launches = log.ops.count("wattserve.triton_paged_attention.default")
+        assert launches == layers, (decodes, prompts, log.ops)
+        # The pool is read by the kernel alone, never gathered.
+        assert log.pool_readers == ["wattserve.triton_paged_attention.default"] * layers
+        assert "aten.index_copy_.default" in log.ops  # its write, through a flat view
+        assert not any("scaled_dot_product" in op for op in log.ops), log.ops
+        counts[decodes, prompts] = len(log.ops)
+    # No op per sequence or per chunk: a step's op count does not grow with its batch.
+    assert counts[1, 0] == counts[8, 0]
+    assert counts[1, 1] == counts[8, 4] == counts[0, 3]
+    # A window and a soft-cap (Mistral, Gemma 2) are arguments of the same launch.
+    model.sliding_windows = [4] * layers
+    model.logit_softcap = 30.0
+    chunks, tables = _step_chunks(8, 4)
+    with fake:
+        inp = model.prepare(chunks, tables)
+        log = _OpLog(pool)
+        with log:
+            model.forward(inp)
+    assert len(log.ops) == counts[8, 4]
+    assert log.pool_readers == ["wattserve.triton_paged_attention.default"] * layers
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install triton)")
+def test_query_tiles_travel_with_a_mixed_step_only(hf_model):
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:
+        model = LlamaModel(hf_model, 64, 4, torch.bfloat16, CUDA0)
+        mixed = model.prepare(*_step_chunks(2, 2))
+        decode = model.prepare(*_step_chunks(3, 0))
+    # 2 + 12 query tokens in 4 chunks: 14 // 16 + 4 tiles, on the device
+    assert mixed.query_tiles.shape == (4, 2) and mixed.query_tiles.device == CUDA0
+    assert decode.query_tiles.shape == (0, 2)  # the decode-only variant needs none

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import random
 
 import pytest
@@ -14,6 +15,7 @@ from wattserve.kernels.attention import (
     paged_attention,
     paged_attention_torch,
     paged_decode_attention,
+    query_tiles,
     rope_write_kv,
     write_kv,
 )
@@ -203,6 +205,23 @@ def test_paged_attention_matches_reference(impl, dtype, tol, shape):
         torch.testing.assert_close(out[rows].float(), ref, **tol)
 
 
+def test_query_tiles_cover_every_query_row_once_in_a_count_fixed_by_the_shapes():
+    # chunks of 1, 16, 17, 0 (an empty chunk has no tile) and 33 query tokens
+    starts = [0, 1, 17, 34, 34, 67]
+    flat = query_tiles(starts, tile=16)
+    pairs = list(zip(flat[::2], flat[1::2], strict=True))
+    assert len(pairs) == 67 // 16 + 5  # T // tile + B, whatever the chunk lengths
+    live = [p for p in pairs if p[0] >= 0]
+    assert live == [(0, 0), (1, 0), (2, 0), (2, 16), (4, 0), (4, 16), (4, 32)]
+    assert pairs[len(live) :] == [(-1, 0)] * (len(pairs) - len(live))
+    rows = sorted(starts[s] + f + i for s, f in live for i in range(16)
+                  if f + i < starts[s + 1] - starts[s])
+    assert rows == list(range(67))
+    # the worst case for the cap: every chunk one token past a tile
+    worst = [0, 17, 34, 51]
+    assert len(query_tiles(worst, tile=16)) // 2 == 51 // 16 + 3 == 6
+
+
 def test_paged_attention_torch_with_host_bounds_reads_nothing_back(monkeypatch):
     args, _ = _mixed_step(seed=4, dtype=torch.float32)
     q, k_cache, v_cache, bt, query_start, context_lens = args
@@ -264,6 +283,104 @@ def test_the_cpu_kernel_is_built_here_and_serves_the_dispatch(shape):
         paged_attention_torch(*args, 0.25),
         **FP32_TOL,
     )
+
+
+def _direct_softmax(q, k_cache, v_cache, table, positions, scale, window, softcap):
+    """The attention formula written out per (query, head) in float64, as a check on
+    attention_reference: softmax over the keys j <= i with i - j < window of the
+    (soft-capped) scaled dot products, then the weighted sum of the values."""
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    groups = q.shape[1] // kvh
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for t, i in enumerate(positions):
+        keys = [j for j in range(i + 1) if window is None or i - j < window]
+        for h in range(q.shape[1]):
+            ks = [k_cache[table[j // bs], j % bs, h // groups].double() for j in keys]
+            vs = [v_cache[table[j // bs], j % bs, h // groups].double() for j in keys]
+            scores = [float(q[t, h].double() @ kj) * scale for kj in ks]
+            if softcap is not None:
+                scores = [softcap * math.tanh(x / softcap) for x in scores]
+            top = max(scores)
+            weights = [math.exp(x - top) for x in scores]
+            total = sum(weights)
+            for w, vj in zip(weights, vs, strict=True):
+                out[t, h] += w / total * vj
+    return out
+
+
+OPTIONS = {  # (scale, sliding_window, logit_softcap): Llama, Mistral, Gemma 2, both at once
+    "plain": (0.25, None, None),
+    "window": (0.25, 5, None),
+    "softcap": (0.6, None, 1.5),
+    "window_softcap": (0.1, 7, 0.8),
+}
+
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_reference_matches_the_direct_softmax_formula(option):
+    scale, window, softcap = OPTIONS[option]
+    k_cache, v_cache = _random_cache(num_blocks=8, seed=12)
+    table = [5, 2, 7, 0]
+    positions = [0, 3, 4, 9, 10, 11, 14]  # decode-like rows and a chunk after cached ones
+    q = torch.randn(len(positions), 4, 16, generator=torch.Generator().manual_seed(12))
+    opts = dict(sliding_window=window, logit_softcap=softcap)
+    ref = attention_reference(q, k_cache, v_cache, table, positions, scale, **opts)
+    direct = _direct_softmax(q, k_cache, v_cache, table, positions, scale, window, softcap)
+    torch.testing.assert_close(ref.double(), direct, **FP32_TOL)
+    if window is not None or softcap is not None:  # the options change the result
+        plain = attention_reference(q, k_cache, v_cache, table, positions, scale)
+        assert not torch.allclose(ref, plain, **FP32_TOL)
+
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+@pytest.mark.parametrize("shape", ["small", "smollm2"])
+@pytest.mark.parametrize("impl", sorted(IMPLEMENTATIONS))
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)])
+def test_paged_attention_options_match_reference(impl, shape, option, dtype, tol):
+    # Decodes, a prefill from 0 and chunks after cached tokens in one mixed step, with
+    # windows shorter than most contexts (some rows lose whole blocks, some none).
+    scale, window, softcap = OPTIONS[option]
+    args, seqs = _mixed_step(seed=8, dtype=dtype, shape=shape)
+    q, k_cache, v_cache = args[:3]
+    opts = dict(sliding_window=window, logit_softcap=softcap)
+    out = IMPLEMENTATIONS[impl](*args, scale, **opts)
+    assert out.shape == q.shape and out.dtype == dtype
+    for table, positions, row in seqs:
+        rows = slice(row, row + len(positions))
+        ref = attention_reference(q[rows], k_cache, v_cache, table, positions, scale, **opts)
+        torch.testing.assert_close(out[rows].float(), ref, **tol)
+
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_paged_decode_attention_options_match_reference(option):
+    scale, window, softcap = OPTIONS[option]
+    k_cache, v_cache = _random_cache(num_blocks=16, seed=9)
+    lengths, tables = [1, 4, 9, 14], [[3], [8], [1, 12, 6], [0, 2, 15, 4]]
+    bt = torch.tensor([t + [7] * (4 - len(t)) for t in tables])
+    q = torch.randn(len(lengths), 4, 16, generator=torch.Generator().manual_seed(9))
+    opts = dict(sliding_window=window, logit_softcap=softcap)
+    out = paged_decode_attention(q, k_cache, v_cache, bt, torch.tensor(lengths), scale, **opts)
+    for b, (table, n) in enumerate(zip(tables, lengths, strict=True)):
+        ref = attention_reference(q[b : b + 1], k_cache, v_cache, table, [n - 1], scale, **opts)
+        torch.testing.assert_close(out[b : b + 1], ref, **FP32_TOL)
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLEMENTATIONS))
+@pytest.mark.parametrize(
+    "opts,match",
+    [(dict(sliding_window=0), "sliding_window"), (dict(logit_softcap=0.0), "logit_softcap")],
+)
+def test_paged_attention_refuses_an_empty_window_or_a_zero_softcap(impl, opts, match):
+    args, _ = _mixed_step(seed=8, dtype=torch.float32)
+    with pytest.raises(ValueError, match=match):
+        IMPLEMENTATIONS[impl](*args, 0.25, **opts)
+
+
+def test_the_cpu_kernel_refuses_an_empty_window():
+    assert load_cpu_kernels()
+    args, _ = _mixed_step(seed=8, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="sliding_window"):
+        torch.ops.wattserve.paged_attention(*args, 0.25, sliding_window=0)
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 16, 70])

@@ -33,13 +33,17 @@ def moe_layers(
     spec: MoeSpec, hidden: int, layers: int, dtype: torch.dtype, std: float
 ) -> list[MoeBlock]:
     """`layers` random MoE blocks; each layer's stacked weights are dropped once packed."""
+
+    def make(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        return Linear(weight.to(dtype).contiguous(), bias)
+
     out = []
     for _ in range(layers):
         inter, e = spec.intermediate_size, spec.num_experts
         router = torch.empty(e, hidden).normal_(0, std)
         gate_up = torch.empty(e, 2 * inter, hidden).normal_(0, std)
         down = torch.empty(e, hidden, inter).normal_(0, std)
-        out.append(moe_block_from_weights(spec, router, gate_up, down, None, dtype, "cpu"))
+        out.append(moe_block_from_weights(spec, router, gate_up, down, make, make))
         del router, gate_up, down
         gc.collect()
     return out

@@ -1,4 +1,4 @@
-"""The `wattserve` command line: serve, generate, config show, bench, device, fleet.
+"""The `wattserve` command line: serve, generate, config show, models, bench, device, fleet.
 
 Parses flags into per-section config overrides and dispatches; errors the user can fix
 (bad config, unloadable model) end as one line on stderr and a non-zero exit, never a
@@ -125,7 +125,28 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return server.main(_config_from_args(args))
 
 
+def _cmd_models_check(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from wattserve.daemon.engine.loader import _quiet_transformers
+    from wattserve.daemon.engine.model_check import (
+        check_model_dir,
+        device_memory_bytes,
+        format_report,
+    )
+
+    _quiet_transformers()
+    report = check_model_dir(Path(args.dir).expanduser(), device_memory_bytes(args.device))
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.which == "models":
+        from wattserve.bench import models as bench_models
+
+        return bench_models.main(args.rest)
     if args.which == "engine":
         from wattserve.bench import engine as bench_engine
 
@@ -253,6 +274,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--control", action="store_true", help="print the control-mode drop-in instead")
     p.set_defaults(func=_cmd_install_service)
 
+    p = sub.add_parser("models", help="model directories")
+    msub = p.add_subparsers(dest="models_command", required=True)
+    check = msub.add_parser(
+        "check", help="architecture, parameters, bytes per level and fit, before a start"
+    )
+    check.add_argument("dir", help="a Hugging Face model directory")
+    check.add_argument("--device", default="cpu", help="cpu or cuda[:N] (whose memory to fit)")
+    check.add_argument("--json", action="store_true", help="one JSON object")
+    check.set_defaults(func=_cmd_models_check)
+
     p = sub.add_parser("bench", help="benchmarks (each prints one JSON line last)")
     p.add_argument(
         "which",
@@ -266,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
             "control-noise",
             "gpu",
             "fleet",
+            "models",
         ],
     )
     p.add_argument("rest", nargs=argparse.REMAINDER)

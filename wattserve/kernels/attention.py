@@ -9,6 +9,11 @@ Cache layout, per layer (one tensor for K, one for V):
     token t lives at            block_table[t // block_size], offset t % block_size
     slot id (flat index)        block_id * block_size + offset
 
+Options of the model families, the same keywords on every function here: `scale` (the
+softmax scale), `sliding_window` w (a query at position i sees keys j with i - j < w, as
+transformers' sliding masks do) and `logit_softcap` c (scores = c * tanh(scores / c) before
+the mask and softmax, Gemma 2).
+
 The functions here only read and write those tensors; which blocks belong to whom is
 the KV cache manager's business (wattserve/daemon/engine/kv_cache.py), never decided here.
 The C++ kernel (csrc/paged_attention.cpp) and its plain-torch twin take the same
@@ -71,6 +76,32 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
     return flat.transpose(0, 1).unsqueeze(0)
 
 
+# Query tokens per tile of a step that is not decode-only (the Triton kernel's unit of work).
+QUERY_TILE = 16
+
+
+def query_tiles(query_start: list[int], tile: int = QUERY_TILE) -> list[int]:
+    """A step's query tiles as flat (sequence, first query row within it) pairs: each
+    sequence's query rows cut into runs of `tile`, then (-1, 0) pairs up to
+    T // tile + B, the most any step of T tokens in B sequences has (so that the count
+    comes from the step's shapes alone)."""
+    b = len(query_start) - 1
+    flat: list[int] = []
+    for seq in range(b):
+        for first in range(0, query_start[seq + 1] - query_start[seq], tile):
+            flat += (seq, first)
+    cap = (query_start[-1] // tile + b) * 2
+    return flat + [-1, 0] * ((cap - len(flat)) // 2)
+
+
+def check_options(sliding_window: int | None, logit_softcap: float | None) -> None:
+    """Refuse a window below one token or a soft-cap that is not positive."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"logit_softcap must be > 0 or None, got {logit_softcap}")
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -79,6 +110,9 @@ def paged_attention(
     query_start: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token of a step over its sequence's cached context.
 
@@ -90,12 +124,14 @@ def paged_attention(
     copy, no mask); elsewhere, or where it could not be built, paged_attention_torch serves
     (the model calls paged_decode_attention itself for decode steps off the CPU).
     """
+    check_options(sliding_window, logit_softcap)
+    opts = dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
     if q.device.type == "cpu" and load_cpu_kernels():
         return torch.ops.wattserve.paged_attention(
-            q, k_cache, v_cache, block_tables, query_start, context_lens, scale
+            q, k_cache, v_cache, block_tables, query_start, context_lens, scale, **opts
         )
     return paged_attention_torch(
-        q, k_cache, v_cache, block_tables, query_start, context_lens, scale
+        q, k_cache, v_cache, block_tables, query_start, context_lens, scale, **opts
     )
 
 
@@ -108,6 +144,8 @@ def paged_attention_torch(
     context_lens: torch.Tensor,
     scale: float,
     *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
     host_query_start: list[int] | None = None,
     host_context_lens: list[int] | None = None,
     batch_decodes: bool | None = None,
@@ -122,6 +160,7 @@ def paged_attention_torch(
     64 decodes was 64 calls a layer, most of its time); off on the CPU, where a call costs
     little and the batched gather copies every row to the widest table.
     """
+    check_options(sliding_window, logit_softcap)
     if batch_decodes is None:
         batch_decodes = q.device.type != "cpu"
     bs = k_cache.shape[1]
@@ -141,6 +180,8 @@ def paged_attention_torch(
                 block_tables.narrow(0, 0, decodes).narrow(1, 0, width),
                 context_lens.narrow(0, 0, decodes),
                 scale,
+                sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
             )
         )
     else:
@@ -154,20 +195,15 @@ def paged_attention_torch(
         k = _gather(k_cache, table, ctx)  # [1, KVH, ctx, D]
         v = _gather(v_cache, table, ctx)
         mask = None
-        if n > 1 and ctx > n:  # a chunk after cached tokens: causal from its offset
-            mask = torch.arange(ctx, device=q.device) <= torch.arange(
-                ctx - n, ctx, device=q.device
-            ).unsqueeze(1)
+        windowed = sliding_window is not None and ctx > sliding_window
+        if (n > 1 and ctx > n) or windowed:  # causal from the chunk's offset, or a window
+            keys = torch.arange(ctx, device=q.device)
+            q_pos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+            mask = keys <= q_pos
+            if windowed:
+                mask = mask & (q_pos - keys < sliding_window)
         qh = q.narrow(0, q0, n).transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        o = F.scaled_dot_product_attention(
-            qh,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=n > 1 and mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )
+        o = _sdpa(qh, k, v, mask, n > 1 and mask is None, scale, logit_softcap)
         parts.append(o.squeeze(0).transpose(0, 1))
     # one cat, not copies into an output: copy_ between CUDA tensors needs the CUDA library,
     # which a fake-CUDA trace on a CPU-only torch does not have
@@ -181,6 +217,9 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (a decode step), with shapes fixed by the inputs' shapes
     alone: no value is read back to the host, so a CUDA graph can capture it.
@@ -196,12 +235,43 @@ def paged_decode_attention(
     flat = block_tables.reshape(-1)
     k = k_cache.index_select(0, flat).view(b, nb * bs, kvh, d).transpose(1, 2)  # [B, KVH, L, D]
     v = v_cache.index_select(0, flat).view(b, nb * bs, kvh, d).transpose(1, 2)
-    keys = torch.arange(nb * bs, device=q.device)
-    mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(b, 1, 1, nb * bs)
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+    keys = torch.arange(nb * bs, device=q.device).unsqueeze(0)
+    lens = context_lens.unsqueeze(1)
+    mask = keys < lens
+    if sliding_window is not None:  # the query sits at lens - 1
+        mask = mask & (keys > lens - 1 - sliding_window)
+    o = _sdpa(
+        q.unsqueeze(2), k, v, mask.view(b, 1, 1, nb * bs), False, scale, logit_softcap
     )  # [B, H, 1, D]
     return o.squeeze(2)
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    logit_softcap: float | None,
+) -> torch.Tensor:
+    """SDPA over q [B, H, n, D] and k, v [B, KVH, L, D] (grouped heads); a soft-cap, which
+    SDPA has no argument for, takes the explicit float32 formula."""
+    if logit_softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
+        )
+    groups = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(groups, dim=1)
+    vf = v.float().repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    if is_causal:
+        n, length = scores.shape[-2], scores.shape[-1]
+        mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), vf).to(q.dtype)
 
 
 def attention_reference(
@@ -211,11 +281,15 @@ def attention_reference(
     block_table: list[int],
     q_positions: list[int],
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain causal attention for one sequence, reading its cache token by token.
 
     q: [T, H, D] at absolute positions q_positions; returns [T, H, D] in float32.
     """
+    check_options(sliding_window, logit_softcap)
     bs = k_cache.shape[1]
     ctx = max(q_positions) + 1
     slots = [(block_table[p // bs], p % bs) for p in range(ctx)]
@@ -225,10 +299,14 @@ def attention_reference(
     k = k.repeat_interleave(groups, dim=1)  # [ctx, H, D]
     v = v.repeat_interleave(groups, dim=1)
     scores = torch.einsum("thd,chd->htc", q.float(), k) * scale  # [H, T, ctx]
+    if logit_softcap is not None:
+        scores = logit_softcap * torch.tanh(scores / logit_softcap)
     dev = q.device
-    allowed = torch.arange(ctx, device=dev).unsqueeze(0) <= torch.tensor(
-        q_positions, device=dev
-    ).unsqueeze(1)
+    keys = torch.arange(ctx, device=dev).unsqueeze(0)
+    q_pos = torch.tensor(q_positions, device=dev).unsqueeze(1)
+    allowed = keys <= q_pos
+    if sliding_window is not None:
+        allowed = allowed & (q_pos - keys < sliding_window)
     scores = scores.masked_fill(~allowed.unsqueeze(0), float("-inf"))
     probs = scores.softmax(-1)
     return torch.einsum("htc,chd->thd", probs, v)

@@ -97,7 +97,7 @@ def _register_fake() -> None:
     """Shape-only implementations, so a traced or fake-tensor step sees the ops' outputs."""
 
     @torch.library.register_fake("wattserve::paged_attention")
-    def _(q, k_cache, v_cache, block_tables, query_start, context_lens, scale):
+    def _(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, **_options):
         return torch.empty_like(q)
 
     @torch.library.register_fake("wattserve::rms_norm")

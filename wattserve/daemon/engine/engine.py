@@ -229,14 +229,13 @@ class Engine:
         self.kv_spec = KVCacheSpec(num_blocks, options.block_size_tokens, bpb)
         limit = options.max_model_len or shape.max_position_embeddings
         limit = min(limit, shape.max_position_embeddings, self.kv_spec.capacity_tokens)
-        window = getattr(cfg, "sliding_window", None)
-        if cfg.model_type in ("mistral", "mixtral") and window:
-            limit = min(limit, window)  # no sliding-window attention: stay inside the window
         self.max_model_len = limit
         self.kv = KVCacheManager(
             num_blocks, options.block_size_tokens, options.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.kv)
+        self.scheduler.prefix_salt = self.model.prefix_salt
+        self.scheduler.recompute_at_tokens = self.model.rope.recompute_at_tokens
         self._limits = EngineLimits(options.max_num_seqs, options.max_num_batched_tokens)
         self.eos_token_ids = _eos_ids(loaded)
         self.grammars = Grammars(self.tokenizer, shape.vocab_size, self.eos_token_ids)

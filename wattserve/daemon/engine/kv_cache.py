@@ -119,13 +119,18 @@ class KVCacheManager:
         again and age out LRU (KV computed at one weight level is not reused at another)."""
         self._root = _block_key(name.encode(), [])
 
-    def match(self, token_ids: list[int]) -> PrefixMatch:
+    def _salted_root(self, salt: bytes) -> bytes:
+        return _block_key(self._root + salt, []) if salt else self._root
+
+    def match(self, token_ids: list[int], salt: bytes = b"") -> PrefixMatch:
         """The longest chain of cached full blocks token_ids starts with, leaving at least
-        the last token uncovered (its logits are needed). Takes nothing: see allocate()."""
+        the last token uncovered (its logits are needed). Takes nothing: see allocate().
+        salt: what else the blocks' KV depends on (a length-dependent rope's choice);
+        blocks cached under another salt do not match."""
         if not self.enable_prefix_caching:
             return PrefixMatch()
         bs = self.block_size
-        parent = self._root
+        parent = self._salted_root(salt)
         blocks: list[int] = []
         keys: list[bytes] = []
         for i in range((len(token_ids) - 1) // bs):
@@ -177,17 +182,17 @@ class KVCacheManager:
         del self._cached[self._key_of.pop(block)]
         return block
 
-    def cache_full_blocks(self, seq_id: str, token_ids: list[int]) -> None:
+    def cache_full_blocks(self, seq_id: str, token_ids: list[int], salt: bytes = b"") -> None:
         """Register seq_id's next full blocks, whose KV is now computed, under their keys.
 
         token_ids: the tokens of those blocks, a whole number of blocks, following the
-        ones registered before (num_cached_blocks(seq_id) of them)."""
+        ones registered before (num_cached_blocks(seq_id) of them); salt: as in match()."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
         keys = self._seq_keys.setdefault(seq_id, [])
         table = self._tables[seq_id]
-        parent = keys[-1] if keys else self._root
+        parent = keys[-1] if keys else self._salted_root(salt)
         for i in range(len(token_ids) // bs):
             key = _block_key(parent, token_ids[i * bs : (i + 1) * bs])
             block = table[len(keys)]

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from wattserve.daemon.engine.model import SUPPORTED_ARCHITECTURES
+from wattserve.daemon.engine.families import FamilyConfigError, check_architecture, describe
+from wattserve.daemon.engine.model import WINDOW_SUPPORTED
 from wattserve.daemon.leftovers import remove_leftovers
 
 log = logging.getLogger(__name__)
@@ -90,15 +91,44 @@ def _cache_key(gguf: Path) -> str:
 
 
 def _check_architecture(model_type: str | None, path: Path) -> None:
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise LoadError(
-            f"{path}: unsupported architecture {model_type!r} "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+    try:
+        check_architecture(model_type)
+    except FamilyConfigError as e:
+        raise LoadError(f"{path}: {e}") from None
+
+
+def _check_family(hf_config, path: Path) -> None:
+    """What the engine cannot run in this config (a rope type, a window), by its key."""
+    try:
+        describe(hf_config, window_supported=WINDOW_SUPPORTED)
+    except FamilyConfigError as e:
+        raise LoadError(f"{path / 'config.json'}: {e}") from None
+
+
+def check_weight_files(path: Path) -> None:
+    """Every shard the index names is there and every safetensors header reads, so a bad
+    file is named before transformers reports it without its name. Raises LoadError."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise LoadError(f"{index}: unreadable shard index ({e})") from None
+        for shard in shards:
+            if not (path / shard).is_file():
+                raise LoadError(f"{path / shard}: shard named in {index.name} is missing")
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except Exception as e:  # safetensors raises its own error types
+            raise LoadError(f"{file}: corrupt safetensors file: {_first_line(e)}") from None
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -110,6 +140,12 @@ def _load_hf_dir(path: Path, dtype: torch.dtype):
     _check_architecture(model_type, path)
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise LoadError(f"{path}: no weight files (*.safetensors) in the directory")
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        raise LoadError(f"{config_file}: cannot read config: {_first_line(e)}") from None
+    _check_family(config, path)
+    check_weight_files(path)
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)

@@ -1,4 +1,4 @@
-"""Llama-family forward (llama, mistral, qwen2, mixtral) over the paged KV cache.
+"""Llama-family forward (llama, mistral, qwen2) over the paged KV cache.
 
 Takes the weights of a loaded transformers model once (fusing q/k/v and gate/up into
 single matrices), then runs flat token batches: every scheduled token of every
@@ -11,34 +11,46 @@ switch between two steps leaves the KV cache and every running sequence as they 
 Everything lives on one torch device (the engine's): weights, the KV pool, the rotary
 table and each step's tensors, which prepare() builds on the host and moves in one copy
 (from pinned memory, non-blocking, on CUDA). forward() itself never reads a value back to
-the host: on the CPU it calls the C++ attention kernel, on other devices a static-shape
-decode attention or, for prefill and mixed steps, paged_attention_torch fed with the
-chunk bounds the host already knows. A mixture-of-experts layer (moe.py) takes the
-place of the gate_up/down MLP; everything else about the layer is the same.
+the host. Attention is one call per layer for every step kind: on the CPU the C++ kernel,
+on CUDA our Triton kernel (wattserve/kernels/triton_attention.py; its query tiles come
+with the step's inputs), elsewhere or without triton a static-shape decode attention or,
+for prefill and mixed steps, paged_attention_torch fed with the chunk bounds the host
+already knows.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from wattserve.daemon.engine.moe import MoeBlock, MoeSpec, build_moe_block, moe_spec
+from wattserve.daemon.engine.families import (
+    SUPPORTED_ARCHITECTURES,  # noqa: F401  (re-export)
+    FamilyConfigError,
+    RawLayer,
+    describe,
+    inner_model,
+    take_layer,
+    text_config,
+)
+from wattserve.daemon.engine.moe import MoeBlock, MoeSpec, moe_block_from_weights, moe_spec
+from wattserve.daemon.engine.rope import RopeTable, init_function, partial_rotary_perm
 from wattserve.daemon.engine.scheduler import ScheduledChunk
 from wattserve.kernels.attention import (
     paged_attention,
     paged_attention_torch,
     paged_decode_attention,
+    query_tiles,
     rope_write_kv,
 )
 from wattserve.kernels.extension import load_cpu_kernels
 from wattserve.kernels.linear import Linear
-from wattserve.kernels.norm_rope import RotaryTable, add_rms_norm, rms_norm, silu_mul
+from wattserve.kernels.norm_rope import add_rms_norm, rms_norm, silu_mul
 from wattserve.kernels.quant import (
     LinearLike,
-    QuantLevel,
     full_precision_level,
     head_level,
     linear_nbytes,
@@ -46,22 +58,43 @@ from wattserve.kernels.quant import (
     parse_level,
 )
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral")
+# Whether kernels/attention.py takes a sliding window (every backend does).
+WINDOW_SUPPORTED = True
+
+
+@dataclass
+class DenseMLP:
+    """gate|up -> activation(gate) * up -> down. The feed-forward slot of a layer: an
+    MoE block (moe.py) takes its place with the same call, nbytes and linears."""
+
+    gate_up: LinearLike  # hidden -> 2 * inter
+    down: LinearLike  # inter -> hidden
+    activation: str = "silu"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up(x)
+        if self.activation == "silu":
+            return self.down(silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down(F.gelu(gate, approximate="tanh") * up)
+
+    @property
+    def linears(self) -> tuple[LinearLike, ...]:
+        return (self.gate_up, self.down)
 
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor  # [hidden]
+    norms: dict[str, torch.Tensor]  # the family's layer norms by checkpoint name, shared
+    q_norm: torch.Tensor | None  # shared between levels; None without q/k norm
+    k_norm: torch.Tensor | None
     qkv: LinearLike  # hidden -> (H + 2*KVH) * D, with bias for qwen2
     o: LinearLike  # H * D -> hidden
-    post_norm: torch.Tensor  # [hidden]
-    gate_up: LinearLike | None  # hidden -> 2 * inter; None in a MoE layer
-    down: LinearLike | None  # inter -> hidden; None in a MoE layer
-    moe: MoeBlock | None = None  # the sparse MLP that replaces gate_up/down
+    mlp: DenseMLP  # or any block with the same call (the MoE one)
 
-    def linears(self) -> list[LinearLike | MoeBlock]:
-        mlp = [self.moe] if self.moe is not None else [self.gate_up, self.down]
-        return [self.qkv, self.o, *mlp]
+    @property
+    def linears(self) -> tuple[LinearLike, ...]:
+        return (self.qkv, self.o, *self.mlp.linears)
 
 
 @dataclass(frozen=True)
@@ -104,6 +137,9 @@ class StepInputs:
     # The same bounds as host lists, so that attention off the CPU needs no read-back.
     host_query_start: list[int] | None = None
     host_context_lens: list[int] | None = None
+    # [tiles, 2] (chunk, first row in it): the Triton attention's work list for a step that
+    # is not decode-only (attention.query_tiles); empty otherwise.
+    query_tiles: torch.Tensor | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -124,6 +160,7 @@ class StepLayout:
     block_tables: list[list[int]] = field(default_factory=list)  # rows of equal width
     sampled_chunks: list[ScheduledChunk] = field(default_factory=list)
     prompt_logit_chunks: list[tuple[ScheduledChunk, int]] = field(default_factory=list)
+    query_tiles: list[int] = field(default_factory=list)  # flat (chunk, first row) pairs
 
     def parts(self) -> tuple[list[int], ...]:
         """The int64 fields in the order of one flat device buffer."""
@@ -136,26 +173,37 @@ class StepLayout:
             self.context_lens,
             self.logits_indices,
             table,
+            self.query_tiles,
         )
 
 
 def model_shape(hf_config) -> ModelShape:
-    heads = hf_config.num_attention_heads
+    cfg = text_config(hf_config)
+    heads = cfg.num_attention_heads
+    max_positions = cfg.max_position_embeddings
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "dynamic":
+        # Dynamic NTK stretches the base past max_position_embeddings by up to `factor`.
+        max_positions = int(max_positions * float(rope.get("factor", 1.0)))
     return ModelShape(
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
+        num_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
         num_heads=heads,
-        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
-        intermediate_size=hf_config.intermediate_size,
-        vocab_size=hf_config.vocab_size,
-        rms_norm_eps=hf_config.rms_norm_eps,
-        max_position_embeddings=hf_config.max_position_embeddings,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        intermediate_size=cfg.intermediate_size,
+        vocab_size=cfg.vocab_size,
+        rms_norm_eps=getattr(cfg, "rms_norm_eps", None) or cfg.layer_norm_eps,
+        max_position_embeddings=max_positions,
     )
 
 
 class LlamaModel:
-    """The forward pass and its KV tensors; weights taken from a transformers model."""
+    """The forward pass and its KV tensors; weights taken from a transformers model.
+
+    Every family (families.py) runs through this one forward; its Family says where the
+    norms sit, which multipliers and soft-caps apply and which rope table a layer reads.
+    """
 
     def __init__(
         self,
@@ -166,44 +214,60 @@ class LlamaModel:
         device: torch.device | str = "cpu",
     ) -> None:
         """num_blocks None: no KV pool yet (allocate_kv_cache() once the weights sit on
-        the device and its free memory is known)."""
-        cfg = hf_model.config
-        if cfg.model_type not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {cfg.model_type!r}")
-        self.shape = s = model_shape(cfg)
+        the device and its free memory is known). Raises FamilyConfigError for a config
+        the engine cannot run."""
+        cfg = text_config(hf_model.config)
+        self.family = fam = describe(hf_model.config, window_supported=WINDOW_SUPPORTED)
+        self.shape = s = model_shape(hf_model.config)
         self.dtype = dtype
         self.device = dev = torch.device(device)
         self.block_size = block_size
-        self.scale = s.head_dim**-0.5
-        inner = hf_model.model
+        self.scale = fam.attn_scale if fam.attn_scale is not None else s.head_dim**-0.5
+        inner = inner_model(hf_model)
         self._hf_model = hf_model  # the full-precision source of every other level
         self.full_precision_level = full_precision_level(dtype)
         self._levels: dict[str, LevelWeights] = {}
         self._prepare_lock = threading.Lock()
+        self.ropes = {
+            lt: RopeTable(
+                cfg,
+                lt,
+                init_function(inner.rotary_emb, cfg, lt),
+                s.head_dim,
+                s.max_position_embeddings,
+                dtype,
+                dev,
+            )
+            for lt in fam.rope_types
+        }
+        self.rope = next(iter(self.ropes.values()))
+        if len(self.ropes) > 1 and any(r.length_dependent for r in self.ropes.values()):
+            raise FamilyConfigError(
+                "rope_parameters: a length-dependent rope type on one of several layer types"
+            )
+        self._perm = partial_rotary_perm(s.head_dim, self.rope.rotary_dim)
+        # Gemma's (1 + w) norms run in float32; others in the model's dtype.
+        self._norm_dtype = torch.float32 if fam.norm_one_plus else dtype
         with torch.no_grad():
-            self.embed = inner.embed_tokens.weight.detach().to(dev, dtype).contiguous()
+            embed = inner.embed_tokens.weight.detach()
+            self.embed = embed.to(dev, dtype).contiguous()
+            # Gemma rounds sqrt(hidden) to the model's dtype before scaling.
+            self.embed_scale = torch.tensor(fam.embed_scale, dtype=dtype).item()
             head_param = hf_model.get_output_embeddings().weight
-            same = head_param.data_ptr() == inner.embed_tokens.weight.data_ptr()
-            lm_head = head_param.detach()
+            same = head_param.data_ptr() == embed.data_ptr()
             self.tied_embeddings = same
-            head = Linear(self.embed if same else lm_head.to(dev, dtype))
-            self.final_norm = inner.norm.weight.detach().to(dev, dtype)
+            head = Linear(self.embed if same else head_param.detach().to(dev, dtype))
+            self.final_norm = self._norm_weight(inner.norm.weight)
+            # None for a dense layer; a MoE block (moe.py) takes the MLP's slot otherwise.
             self.moe_specs = [moe_spec(cfg, i) for i in range(len(inner.layers))]
+            raws = [take_layer(layer, fam) for layer in inner.layers]
             layers = [
-                self._take_layer(layer, spec, None, dtype, dev, None)
-                for layer, spec in zip(inner.layers, self.moe_specs, strict=True)
+                self._layer(raw, self._full_precision_linear, None, spec)
+                for raw, spec in zip(raws, self.moe_specs, strict=True)
             ]
         base = LevelWeights(self.full_precision_level, layers, head, _linear_bytes(layers, head))
         self._levels[base.level] = base
         self._active = base
-        rot = inner.rotary_emb
-        self.rope = RotaryTable(
-            rot.inv_freq.to(dev),
-            s.max_position_embeddings,
-            float(rot.attention_scaling),
-            dtype,
-            device=dev,
-        )
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.num_blocks = 0
@@ -211,8 +275,15 @@ class LlamaModel:
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
         # Built (first start on this machine) or loaded now, not in the first request's step.
-        on_cpu = dev.type == "cpu"
-        self.attention_backend = "cpp" if on_cpu and load_cpu_kernels() else "torch"
+        self.attention_backend = _attention_backend(dev)
+        # Per-layer sliding windows (None: full causal) and the logit soft-cap, for the
+        # model families that have them; every attention backend takes both.
+        self.sliding_windows: list[int | None] = list(fam.windows)
+        self.logit_softcap: float | None = fam.attn_softcap
+
+    def prefix_salt(self, seq) -> bytes:
+        """What a sequence's cached KV depends on besides its tokens (KVCacheManager.match)."""
+        return self.rope.prefix_salt(len(seq.prompt_token_ids), seq.num_tokens)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """The paged K/V pool: num_blocks blocks for the KV manager plus one more, block
@@ -231,49 +302,68 @@ class LlamaModel:
 
         self.k_cache, self.v_cache = pool(), pool()
 
-    @staticmethod
-    def _take_layer(
-        layer,
-        spec: MoeSpec | None,
-        level: QuantLevel | None,
-        dtype: torch.dtype,
-        dev: torch.device,
-        base: LayerWeights | None,
+    def _full_precision_linear(self, w: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        b = None if bias is None else bias.to(self.device, self.dtype)
+        return Linear(w.to(self.device, self.dtype), b)
+
+    def _norm_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """A norm's weight as forward() uses it: (1 + w) in float32 for Gemma."""
+        if self.family.norm_one_plus:
+            return (1.0 + w.detach().float()).to(self.device)
+        return w.detach().to(self.device, self.dtype)
+
+    def _head_norm_weight(self, w: torch.Tensor | None, heads: int) -> torch.Tensor | None:
+        """A q/k norm's weight, its head dims in the order the q/k rows were permuted to."""
+        if w is None:
+            return None
+        if self._perm is not None:
+            d = self.shape.head_dim
+            w = w.view(-1, d).index_select(1, self._perm).reshape(w.shape)
+        return self._norm_weight(w)
+
+    def _permute_qk_rows(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """q and k rows of a fused qkv weight or bias, each head's dims in rope order."""
+        if t is None or self._perm is None:
+            return t
+        s = self.shape
+        d = s.head_dim
+        qk_heads = s.num_heads + s.num_kv_heads
+        qk, v = t.split([qk_heads * d, s.num_kv_heads * d])
+        qk = qk.reshape(qk_heads, d, *t.shape[1:]).index_select(1, self._perm)
+        return torch.cat([qk.reshape(qk_heads * d, *t.shape[1:]), v])
+
+    def _layer(
+        self, raw: RawLayer, make, shared: LayerWeights | None, moe: MoeSpec | None
     ) -> LayerWeights:
-        """One layer's weights: level None builds the full-precision packed linears (and
-        the norms); otherwise make_linear at `level`, norms shared with `base`."""
-        att, mlp = layer.self_attn, layer.mlp
-
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearLike:
-            if level is None:
-                return Linear(weight.detach().to(dev, dtype), bias)
-            # Quantized on the device: the CUDA int4 packing is CUDA's own layout.
-            return make_linear(weight.to(dev), bias, level, dtype)
-
-        qkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight], dim=0)
-        bias = _qkv_bias(att)
-        if bias is not None:
-            bias = bias.to(dev) if level is not None else bias.to(dev, dtype)
-        gate_up = down = moe = None
-        if spec is None:
-            gate_up = linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0))
-            down = linear(mlp.down_proj.weight)
+        """One layer's weights; make(weight, bias) builds a linear at the level wanted.
+        shared: a prepared level's layer whose norms this one reuses. moe: the layer's
+        MoE spec (its router stays at full precision), None for a dense MLP."""
+        s = self.shape
+        bias = self._permute_qk_rows(raw.qkv_bias)
+        if shared is None:
+            norms = {name: self._norm_weight(w) for name, w in raw.norms.items()}
+            q_norm = self._head_norm_weight(raw.q_norm, s.num_heads)
+            k_norm = self._head_norm_weight(raw.k_norm, s.num_kv_heads)
         else:
-            moe = build_moe_block(spec, mlp, level, dtype, dev)
-        if base is None:
-            input_norm = layer.input_layernorm.weight.detach().to(dev, dtype)
-            post_norm = layer.post_attention_layernorm.weight.detach().to(dev, dtype)
-        else:
-            input_norm, post_norm = base.input_norm, base.post_norm
+            norms, q_norm, k_norm = shared.norms, shared.q_norm, shared.k_norm
         return LayerWeights(
-            input_norm=input_norm,
-            qkv=linear(qkv, bias),
-            o=linear(att.o_proj.weight),
-            post_norm=post_norm,
-            gate_up=gate_up,
-            down=down,
-            moe=moe,
+            norms=norms,
+            q_norm=q_norm,
+            k_norm=k_norm,
+            qkv=make(self._permute_qk_rows(raw.qkv), None if bias is None else bias),
+            o=make(raw.o, None),
+            mlp=self._mlp(raw, make, moe),
         )
+
+    def _mlp(self, raw: RawLayer, make, moe: MoeSpec | None) -> DenseMLP | MoeBlock:
+        if (moe is None) != (raw.moe is None):
+            raise FamilyConfigError(
+                "num_experts: the config and the checkpoint's layers disagree on which "
+                "layers are mixture-of-experts"
+            )
+        if moe is None:
+            return DenseMLP(make(raw.gate_up, None), make(raw.down, None), self.family.activation)
+        return moe_block_from_weights(moe, *raw.moe, make, self._full_precision_linear)
 
     @property
     def graph_capturable(self) -> bool:
@@ -309,12 +399,17 @@ class LlamaModel:
             if level in self._levels:
                 return self._levels[level]
             hf, dtype, dev = self._hf_model, self.dtype, self.device
+            base_layers = self._levels[self.full_precision_level].layers
+
+            def make(w: torch.Tensor, bias: torch.Tensor | None) -> LinearLike:
+                # Quantized on the device: the CUDA int4 packing is CUDA's own layout.
+                return make_linear(w.to(dev), None if bias is None else bias.to(dev), spec, dtype)
+
             with torch.no_grad():
-                base_layers = self._levels[self.full_precision_level].layers
                 layers = [
-                    self._take_layer(layer, moe, spec, dtype, dev, base_lw)
-                    for layer, moe, base_lw in zip(
-                        hf.model.layers, self.moe_specs, base_layers, strict=True
+                    self._layer(take_layer(layer, self.family), make, base, moe)
+                    for base, layer, moe in zip(
+                        base_layers, inner_model(hf).layers, self.moe_specs, strict=True
                     )
                 ]
                 head_w = hf.get_output_embeddings().weight.to(dev)
@@ -388,7 +483,7 @@ class LlamaModel:
             end = c.start + c.num_tokens
             ids.extend(c.seq.token_ids(c.start, end))
             positions = range(c.start, end)
-            pos.extend(positions)
+            pos.extend(self.rope.rows(c.start, end, len(c.seq.prompt_token_ids), c.seq.num_tokens))
             slots.extend(table[p // bs] * bs + p % bs for p in positions)
             lay.query_start.append(len(ids))
             lay.context_lens.append(end)
@@ -404,6 +499,8 @@ class LlamaModel:
         lay.logits_indices.extend(extra_rows)
         width = max((len(r) for r in lay.block_tables), default=0)
         lay.block_tables = [_pad(r, width) for r in lay.block_tables]
+        if self.attention_backend == "triton" and len(ids) != len(lay.context_lens):
+            lay.query_tiles = query_tiles(lay.query_start)
         return lay
 
     def inputs_from(self, lay: StepLayout, into: torch.Tensor | None = None) -> StepInputs:
@@ -424,6 +521,7 @@ class LlamaModel:
             query_start=views[3],
             context_lens=views[4],
             logits_indices=views[5],
+            query_tiles=views[7].view(-1, 2),
             sampled_chunks=lay.sampled_chunks,
             host_query_start=lay.query_start,
             host_context_lens=lay.context_lens,
@@ -447,16 +545,27 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, inp: StepInputs) -> torch.Tensor:
         """Returns float32 logits [N, vocab] for inp.logits_indices."""
-        s = self.shape
+        s, fam = self.shape, self.family
         h_dim = s.num_heads * s.head_dim
         t = inp.input_ids.shape[0]
         active = self._active  # read once: a level switch lands between two calls
-        cos, sin = self.rope.lookup(inp.positions)
+        rope = {lt: table.lookup(inp.positions) for lt, table in self.ropes.items()}
         hidden = F.embedding(inp.input_ids, self.embed)  # [T, hidden], the residual stream
+        if self.embed_scale != 1.0:
+            hidden.mul_(self.embed_scale)
         layers = active.layers
-        x = rms_norm(hidden, layers[0].input_norm, s.rms_norm_eps)
+        pre = fam.placement == "pre"
+        res = fam.residual_scale
+        x = (
+            hidden
+            if fam.placement == "post"
+            else self._norm(hidden, layers[0].norms["input_layernorm"])
+        )
         for i, lw in enumerate(layers):
             qkv = lw.qkv(x)  # [T, (H + 2 KVH) D]
+            if fam.qk_norm is not None:
+                self._qk_norm(qkv, lw)
+            cos, sin = rope[fam.layer_rope[i]]
             q = rope_write_kv(
                 qkv,
                 cos,
@@ -468,59 +577,127 @@ class LlamaModel:
                 s.num_kv_heads,
             )  # [T, H, D], k and v stored
             attn = self._attention(i, q, inp)  # [T, H, D]
-            x = add_rms_norm(hidden, lw.o(attn.reshape(t, h_dim)), lw.post_norm, s.rms_norm_eps)
-            if lw.moe is not None:
-                mlp_out = lw.moe(x)
+            out = lw.o(attn.reshape(t, h_dim))
+            if pre:  # the residual add fused with the MLP's norm
+                x = add_rms_norm(
+                    hidden,
+                    out.mul_(res) if res != 1.0 else out,
+                    lw.norms["post_attention_layernorm"],
+                    s.rms_norm_eps,
+                )
             else:
-                mlp_out = lw.down(silu_mul(lw.gate_up(x)))
-            if i + 1 < len(layers):  # the residual add fused with the next layer's norm
-                x = add_rms_norm(hidden, mlp_out, layers[i + 1].input_norm, s.rms_norm_eps)
+                hidden.add_(self._norm(out, lw.norms["post_attention_layernorm"]))
+                x = (
+                    hidden
+                    if fam.placement == "post"
+                    else self._norm(hidden, lw.norms["pre_feedforward_layernorm"])
+                )
+            out = lw.mlp(x)
+            last_layer = i + 1 == len(layers)
+            if pre:
+                if res != 1.0:
+                    out.mul_(res)
+                if not last_layer:  # the residual add fused with the next layer's norm
+                    x = add_rms_norm(
+                        hidden, out, layers[i + 1].norms["input_layernorm"], s.rms_norm_eps
+                    )
+                else:
+                    hidden.add_(out)
             else:
-                hidden.add_(mlp_out)
-        last = rms_norm(hidden.index_select(0, inp.logits_indices), self.final_norm, s.rms_norm_eps)
-        return active.lm_head(last).float()
+                hidden.add_(self._norm(out, lw.norms["post_feedforward_layernorm"]))
+                x = hidden
+                if fam.placement == "sandwich" and not last_layer:
+                    x = self._norm(hidden, layers[i + 1].norms["input_layernorm"])
+        last = self._norm(hidden.index_select(0, inp.logits_indices), self.final_norm)
+        logits = active.lm_head(last).float()
+        if fam.logits_scale != 1.0:
+            logits.mul_(fam.logits_scale)
+        if fam.final_softcap is not None:
+            logits = torch.tanh(logits / fam.final_softcap) * fam.final_softcap
+        return logits
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over the last dim: Gemma's in float32 (weight already 1 + w)."""
+        if self.family.norm_one_plus:
+            out = F.rms_norm(x.float(), (x.shape[-1],), weight, self.shape.rms_norm_eps)
+            return out.to(x.dtype)
+        if x.dim() == 2 and x.is_contiguous():
+            return rms_norm(x, weight, self.shape.rms_norm_eps)
+        return F.rms_norm(x, (x.shape[-1],), weight, self.shape.rms_norm_eps)
+
+    def _qk_norm(self, qkv: torch.Tensor, lw: LayerWeights) -> None:
+        """RMSNorm q and k in place in the fused projection, before rope: over each head
+        (Qwen3, Gemma 3) or over the whole q and k projections (OLMo 2)."""
+        s = self.shape
+        t, d = qkv.shape[0], s.head_dim
+        for start, heads, weight in (
+            (0, s.num_heads, lw.q_norm),
+            (s.num_heads * d, s.num_kv_heads, lw.k_norm),
+        ):
+            part = qkv.narrow(1, start, heads * d)
+            view = part.view(t, heads, d) if self.family.qk_norm == "head" else part
+            part.copy_(self._norm(view, weight).reshape(t, heads * d))
 
     def _attention(self, layer: int, q: torch.Tensor, inp: StepInputs) -> torch.Tensor:
-        if self.attention_backend != "cpp":
-            if inp.decode_only:  # static shapes: no read-back, capturable in a CUDA graph
-                return paged_decode_attention(
-                    q,
-                    self.k_cache[layer],
-                    self.v_cache[layer],
-                    inp.block_tables,
-                    inp.context_lens,
-                    self.scale,
-                )
-            return paged_attention_torch(
+        """One attention call for the layer, whatever the step's kind (see the backends in
+        the module docstring)."""
+        caches = (self.k_cache[layer], self.v_cache[layer])
+        opts = dict(sliding_window=self.sliding_windows[layer], logit_softcap=self.logit_softcap)
+        if self.attention_backend == "triton":
+            # imported by _attention_backend at start; this is a lookup in sys.modules
+            from wattserve.kernels.triton_attention import triton_paged_attention
+
+            return triton_paged_attention(
                 q,
-                self.k_cache[layer],
-                self.v_cache[layer],
+                *caches,
+                inp.block_tables,
+                inp.query_start,
+                inp.context_lens,
+                inp.query_tiles,
+                self.scale,
+                **opts,
+            )
+        if self.attention_backend == "cpp":
+            return paged_attention(
+                q.contiguous(),  # already, from the CPU's rope_write_kv
+                *caches,
                 inp.block_tables,
                 inp.query_start,
                 inp.context_lens,
                 self.scale,
-                host_query_start=inp.host_query_start,
-                host_context_lens=inp.host_context_lens,
+                **opts,
             )
-        return paged_attention(
-            q.contiguous(),  # already, from the CPU's rope_write_kv
-            self.k_cache[layer],
-            self.v_cache[layer],
+        if inp.decode_only:  # static shapes: no read-back, capturable in a CUDA graph
+            return paged_decode_attention(
+                q, *caches, inp.block_tables, inp.context_lens, self.scale, **opts
+            )
+        return paged_attention_torch(
+            q,
+            *caches,
             inp.block_tables,
             inp.query_start,
             inp.context_lens,
             self.scale,
+            host_query_start=inp.host_query_start,
+            host_context_lens=inp.host_context_lens,
+            **opts,
         )
 
 
-def _qkv_bias(att) -> torch.Tensor | None:
-    if att.q_proj.bias is None:
-        return None
-    return torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]).detach()
+def _attention_backend(device: torch.device) -> str:
+    """cpp: the C++ kernel on the CPU (where it builds); triton: our Triton kernel on CUDA
+    (where triton is installed, as with torch's CUDA wheels); torch: SDPA paths otherwise."""
+    if device.type == "cpu":
+        return "cpp" if load_cpu_kernels() else "torch"
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        import wattserve.kernels.triton_attention  # noqa: F401  (compiles nothing yet)
+
+        return "triton"
+    return "torch"
 
 
 def _linear_bytes(layers: list[LayerWeights], lm_head: LinearLike) -> int:
-    per_layer = sum(lin.nbytes for lw in layers for lin in lw.linears())
+    per_layer = sum(lin.nbytes for lw in layers for lin in lw.linears)
     return per_layer + lm_head.nbytes
 
 

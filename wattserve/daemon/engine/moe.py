@@ -17,6 +17,7 @@ format beyond the transformers module it takes the weights from.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -89,7 +90,12 @@ class MoeBlock:
         self.router = router
         self.gate_up = gate_up
         self.down = down
-        self.nbytes = router.nbytes + sum(lin.nbytes for lin in (*gate_up, *down))
+        self.nbytes = sum(lin.nbytes for lin in self.linears)
+
+    @property
+    def linears(self) -> tuple[LinearLike, ...]:
+        """Every linear it holds: the router, then each expert's gate_up, then down."""
+        return (self.router, *self.gate_up, *self.down)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights float32 [T, k], expert ids int64 [T, k]) for each token."""
@@ -127,19 +133,27 @@ def build_moe_block(
     hf_block,
     level: QuantLevel | None,
     dtype: torch.dtype,
-    device: torch.device,
+    device: torch.device | str,
 ) -> MoeBlock:
     """A MoeBlock from a transformers 5 sparse MoE module (`gate.weight`, and the stacked
-    `experts.gate_up_proj` / `experts.down_proj`); see moe_block_from_weights."""
+    `experts.gate_up_proj` / `experts.down_proj`). level None: the full-precision packed
+    linears in `dtype`; otherwise make_linear at that level, one per expert matrix."""
+
+    def full(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearLike:
+        return Linear(weight.to(device, dtype).contiguous(), bias)
+
+    def quantized(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearLike:
+        # Quantized on the device: the CUDA int4 packing is CUDA's own layout.
+        return make_linear(weight.to(device), bias, level, dtype)
+
     experts = hf_block.experts
     return moe_block_from_weights(
         spec,
         hf_block.gate.weight.detach(),
         experts.gate_up_proj.detach(),
         experts.down_proj.detach(),
-        level,
-        dtype,
-        device,
+        full if level is None else quantized,
+        full,
     )
 
 
@@ -148,13 +162,12 @@ def moe_block_from_weights(
     router: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    level: QuantLevel | None,
-    dtype: torch.dtype,
-    device: torch.device,
+    make: Callable[[torch.Tensor, torch.Tensor | None], LinearLike],
+    make_router: Callable[[torch.Tensor, torch.Tensor | None], LinearLike],
 ) -> MoeBlock:
     """A MoeBlock from router [E, hidden], gate_up [E, 2 * inter, hidden] (gate rows then
-    up rows) and down [E, hidden, inter]. level None: the full-precision packed linears in
-    `dtype`; otherwise make_linear at that level, one per expert matrix."""
+    up rows) and down [E, hidden, inter]; make(weight, bias) builds each expert matrix's
+    linear at the level wanted, make_router the router's (full precision)."""
     e, inter = spec.num_experts, spec.intermediate_size
     hidden = router.shape[1]
     for name, tensor, want in (
@@ -164,16 +177,9 @@ def moe_block_from_weights(
     ):
         if tuple(tensor.shape) != want:
             raise ValueError(f"MoE block: {name} weight {tuple(tensor.shape)}, expected {want}")
-
-    def linear(weight: torch.Tensor) -> LinearLike:
-        if level is None:
-            return Linear(weight.to(device, dtype).contiguous())
-        # Quantized on the device: the CUDA int4 packing is CUDA's own layout.
-        return make_linear(weight.to(device), None, level, dtype)
-
     return MoeBlock(
         spec,
-        Linear(router.to(device, dtype).contiguous()),
-        [linear(gate_up[i]) for i in range(e)],
-        [linear(down[i]) for i in range(e)],
+        make_router(router, None),
+        [make(gate_up[i], None) for i in range(e)],
+        [make(down[i], None) for i in range(e)],
     )

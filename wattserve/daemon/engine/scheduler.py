@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import enum
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from wattserve.daemon.engine.kv_cache import KVCacheManager
@@ -137,6 +138,11 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by sort_key
         self._by_id: dict[str, Sequence] = {}
         self.num_preemptions_total = 0
+        # Set by the engine from the model (a length-dependent rope): what a sequence's
+        # cached KV depends on besides its tokens, and the length at which its whole KV
+        # is recomputed (Phi-3's longrope switching to its long factors).
+        self.prefix_salt: Callable[[Sequence], bytes] = lambda seq: b""
+        self.recompute_at_tokens: int | None = None
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -211,7 +217,7 @@ class Scheduler:
                 break
             seq = self.waiting[0]
             prefix = (
-                self.kv.match(seq.token_ids(0, seq.num_tokens))
+                self.kv.match(seq.token_ids(0, seq.num_tokens), self.prefix_salt(seq))
                 if seq.reuse_cached_prefix
                 else None
             )
@@ -243,7 +249,14 @@ class Scheduler:
                 done = self.kv.num_cached_blocks(seq.seq_id)
                 full = seq.num_computed_tokens // bs
                 if full > done:
-                    self.kv.cache_full_blocks(seq.seq_id, seq.token_ids(done * bs, full * bs))
+                    self.kv.cache_full_blocks(
+                        seq.seq_id, seq.token_ids(done * bs, full * bs), self.prefix_salt(seq)
+                    )
             token = sampled.get(seq.seq_id)
             if chunk.samples and token is not None:
                 seq.output_token_ids.append(token)
+                if seq.num_tokens == self.recompute_at_tokens:
+                    # Its KV so far was computed under the old rope: recompute it all,
+                    # in the next steps' prefill budget, as transformers' generate does.
+                    self.kv.free(seq.seq_id)
+                    seq.num_computed_tokens = 0

@@ -15,6 +15,10 @@
 //   context_lens [B] int64           tokens in sequence b's context, its queries included
 //   returns      [T, H, D]           in q's dtype
 //
+// Options of the model families: sliding_window w (a query at position i sees keys j with
+// i - j < w) and logit_softcap c (scores become c * tanh(scores / c) before the softmax).
+// Without them the tiled and decode paths serve; with either, the row-by-row path.
+//
 // It must not allocate per token, and it does not write the cache (write_kv does).
 
 #include <torch/library.h>
@@ -28,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -288,7 +293,8 @@ void write_rows(const WorkItem& it, scalar_t* op, const int64_t* qs, int64_t H, 
 template <typename scalar_t>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& query_start,
-         const at::Tensor& context_lens, double scale, at::Tensor& out) {
+         const at::Tensor& context_lens, double scale, int64_t window, float softcap,
+         at::Tensor& out) {
   const int64_t H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), KVH = k_cache.size(2);
   const int64_t G = H / KVH;  // query heads per KV head
@@ -302,9 +308,10 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t* cl = context_lens.data_ptr<int64_t>();
   const int64_t token_stride = KVH * D;  // between two tokens of a block
   const int64_t block_stride = bs * KVH * D;
-  // The tiled path serves the engine's block size and the common head sizes; other
-  // shapes take the row-by-row path.
-  const bool tiled = bs == kBlock && (D == 64 || D == 128);
+  // The tiled path serves the engine's block size and the common head sizes without a
+  // window or soft-cap; everything else takes the row-by-row path.
+  const bool plain = window <= 0 && softcap <= 0.f;
+  const bool tiled = plain && bs == kBlock && (D == 64 || D == 128);
 
   std::vector<WorkItem> work;
   for (int64_t b = 0; b < B; ++b) {
@@ -368,19 +375,26 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
                                     token_stride, block_stride, it.kv_head, acc.data(), m.data(),
                                     l.data(), kt.data());
       } else {
-        for (int64_t j = 0; j * bs <= last_pos; ++j) {
+        // With a window, blocks wholly before the item's first row's window are skipped.
+        const int64_t first_key =
+            window > 0 ? std::max<int64_t>(0, first_pos + it.q_begin - window + 1) : 0;
+        for (int64_t j = first_key / bs; j * bs <= last_pos; ++j) {
           const int64_t base = j * bs;
           const scalar_t* kb = kp + table[j] * block_stride + it.kv_head * D;
           const scalar_t* vb = vp + table[j] * block_stride + it.kv_head * D;
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t pos = first_pos + it.q_begin + r / G;
             const int64_t n = std::min(bs, pos - base + 1);  // causal: keys up to pos
-            if (n <= 0) continue;
+            // the window: keys j with pos - j < window
+            const int64_t o0 = window > 0 ? std::max<int64_t>(0, pos - window + 1 - base) : 0;
+            if (n <= o0) continue;
             const float* qr = qf.data() + r * D;
             float mx = m[r];
-            for (int64_t o = 0; o < n; ++o) {
-              s[o] = dot_row(qr, kb + o * token_stride, D);
-              mx = std::max(mx, s[o]);
+            for (int64_t o = o0; o < n; ++o) {
+              float so = dot_row(qr, kb + o * token_stride, D);
+              if (softcap > 0.f) so = softcap * std::tanh(so / softcap);
+              s[o] = so;
+              mx = std::max(mx, so);
             }
             float* ar = acc.data() + r * D;
             const float corr = std::exp(m[r] - mx);  // exp(-inf) = 0 on the first block
@@ -389,7 +403,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #pragma omp simd
               for (int64_t i = 0; i < D; ++i) ar[i] *= corr;
             }
-            for (int64_t o = 0; o < n; ++o) {
+            for (int64_t o = o0; o < n; ++o) {
               const float p = std::exp(s[o] - mx);
               sum += p;
               axpy_row(ar, p, vb + o * token_stride, D);
@@ -407,7 +421,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& block_tables,
                                const at::Tensor& query_start, const at::Tensor& context_lens,
-                               double scale) {
+                               double scale, std::optional<int64_t> sliding_window,
+                               std::optional<double> logit_softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_attention: q [T, H, D], caches [N, bs, KVH, D]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -424,9 +439,15 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
   auto bt = block_tables.contiguous();
   auto qs = query_start.contiguous();
   auto cl = context_lens.contiguous();
+  TORCH_CHECK(!sliding_window || *sliding_window >= 1,
+              "paged_attention: sliding_window must be >= 1");
+  TORCH_CHECK(!logit_softcap || *logit_softcap > 0.0,
+              "paged_attention: logit_softcap must be > 0");
+  const int64_t window = sliding_window.value_or(0);
+  const float softcap = static_cast<float>(logit_softcap.value_or(0.0));
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_attention", [&] {
-    run<scalar_t>(q, k_cache, v_cache, bt, qs, cl, scale, out);
+    run<scalar_t>(q, k_cache, v_cache, bt, qs, cl, scale, window, softcap, out);
   });
   return out;
 }
@@ -436,7 +457,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
 TORCH_LIBRARY(wattserve, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor query_start, Tensor context_lens, float scale) -> Tensor");
+      "Tensor query_start, Tensor context_lens, float scale, *, int? sliding_window=None, "
+      "float? logit_softcap=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(wattserve, CPU, m) { m.impl("paged_attention", &paged_attention_cpu); }
