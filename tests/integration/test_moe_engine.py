@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration.test_engine import block_bytes, hf_greedy, recording
+from tests.integration.test_engine import hf_greedy, recording
 from tests.integration.test_quant_engine import (
     BF16_ROUNDING,
     INT8_ACTIVATION_ROUNDING,
@@ -26,6 +26,13 @@ MOE_ARCHS = ["mixtral", "qwen3_moe"]
 PROMPT_LENGTHS = (1, 17, 300)
 CHUNK_TOKENS = 16
 NEW_TOKENS = 48
+
+
+def block_bytes(loaded, block_size: int = 16) -> int:
+    """fp32 K+V bytes of one block (Qwen3-MoE's head_dim is its own, not hidden / heads)."""
+    cfg = loaded.hf_model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim * 4
 
 
 @pytest.fixture(scope="module")
