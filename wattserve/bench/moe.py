@@ -43,7 +43,7 @@ def moe_layers(
         router = torch.empty(e, hidden).normal_(0, std)
         gate_up = torch.empty(e, 2 * inter, hidden).normal_(0, std)
         down = torch.empty(e, hidden, inter).normal_(0, std)
-        out.append(moe_block_from_weights(spec, router, gate_up, down, make, make))
+        out.append(moe_block_from_weights(spec, router, gate_up, down, None, make, dtype))
         del router, gate_up, down
         gc.collect()
     return out

@@ -363,7 +363,15 @@ class LlamaModel:
             )
         if moe is None:
             return DenseMLP(make(raw.gate_up, None), make(raw.down, None), self.family.activation)
-        return moe_block_from_weights(moe, *raw.moe, make, self._full_precision_linear)
+        full = make is self._full_precision_linear
+        return moe_block_from_weights(
+            moe,
+            *raw.moe,
+            None if full else make,
+            self._full_precision_linear,
+            self.dtype,
+            self.device,
+        )
 
     @property
     def graph_capturable(self) -> bool:
