@@ -252,7 +252,7 @@ class Engine:
         self.kv.set_namespace(start_level)
         self._quant_target = start_level  # written by set_quant_level, read by the loop
         self._graphs: DecodeGraphs | None = None
-        if dev.type == "cuda" and options.cuda_graphs:
+        if dev.type == "cuda" and options.cuda_graphs and self.model.graph_capturable:
             self._graphs = DecodeGraphs(self.model, options.max_num_seqs, self.max_model_len)
         self._weight_bytes = self.model.weight_bytes()
         self._kv_bytes_per_token = bpb // options.block_size_tokens

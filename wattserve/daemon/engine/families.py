@@ -28,6 +28,8 @@ SUPPORTED_ARCHITECTURES = (
     "gemma2",
     "gemma3",
     "gemma3_text",
+    "mixtral",
+    "qwen3_moe",
 )
 # Families people ask for by name that the engine does not run, and why.
 REFUSED_ARCHITECTURES = {
@@ -95,7 +97,9 @@ def describe(hf_config, window_supported: bool = False) -> Family:
     layer_types = tuple(getattr(cfg, "layer_types", None) or ["full_attention"] * layers)
     window = getattr(cfg, "sliding_window", None)
     windows = tuple(
-        window if (lt == "sliding_attention" or kind in ("mistral", "phi3")) else None
+        window
+        if (lt == "sliding_attention" or kind in ("mistral", "phi3", "mixtral", "qwen3_moe"))
+        else None
         for lt in layer_types
     )
     max_len = cfg.max_position_embeddings
@@ -111,9 +115,9 @@ def describe(hf_config, window_supported: bool = False) -> Family:
     except RopeConfigError as e:
         raise FamilyConfigError(str(e)) from None
     common = dict(windows=windows, layer_rope=layer_rope)
-    if kind in ("llama", "mistral", "qwen2"):
+    if kind in ("llama", "mistral", "qwen2", "mixtral"):
         return Family(kind, **common)
-    if kind == "qwen3":
+    if kind in ("qwen3", "qwen3_moe"):
         return Family(kind, qk_norm="head", **common)
     if kind == "olmo2":
         return Family(kind, placement="post", qk_norm="proj", **common)
@@ -158,11 +162,14 @@ class RawLayer:
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | None  # None in a sparse layer
+    down: torch.Tensor | None
     norms: dict[str, torch.Tensor]  # the family's norms by their checkpoint names
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
+    # A sparse layer's router [E, hidden], stacked gate_up [E, 2 * inter, hidden] and
+    # stacked down [E, hidden, inter] (moe.py), as transformers 5 holds them.
+    moe: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 # The layer norms each placement reads, in their checkpoint's names.
@@ -181,6 +188,14 @@ LAYER_NORMS = {
 def take_layer(layer, fam: Family) -> RawLayer:
     """Read a transformers decoder layer's weights (detached, not copied)."""
     att, mlp = layer.self_attn, layer.mlp
+    gate_up = moe = None
+    if hasattr(mlp, "experts"):  # a sparse MoE block
+        experts = mlp.experts
+        moe = (
+            mlp.gate.weight.detach(),
+            experts.gate_up_proj.detach(),
+            experts.down_proj.detach(),
+        )
     if fam.fused_checkpoint:
         qkv, bias = att.qkv_proj.weight, att.qkv_proj.bias
         gate_up = mlp.gate_up_proj.weight
@@ -189,7 +204,8 @@ def take_layer(layer, fam: Family) -> RawLayer:
         bias = None
         if att.q_proj.bias is not None:
             bias = torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias])
-        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        if moe is None:
+            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
     norms = {name: getattr(layer, name).weight.detach() for name in LAYER_NORMS[fam.placement]}
     q_norm = att.q_norm.weight.detach() if fam.qk_norm else None
     k_norm = att.k_norm.weight.detach() if fam.qk_norm else None
@@ -197,11 +213,12 @@ def take_layer(layer, fam: Family) -> RawLayer:
         qkv=qkv.detach(),
         qkv_bias=None if bias is None else bias.detach(),
         o=att.o_proj.weight.detach(),
-        gate_up=gate_up.detach(),
-        down=mlp.down_proj.weight.detach(),
+        gate_up=None if gate_up is None else gate_up.detach(),
+        down=None if moe is not None else mlp.down_proj.weight.detach(),
         norms=norms,
         q_norm=q_norm,
         k_norm=k_norm,
+        moe=moe,
     )
 
 

@@ -36,6 +36,7 @@ from wattserve.daemon.engine.families import (
     take_layer,
     text_config,
 )
+from wattserve.daemon.engine.moe import MoeBlock, MoeSpec, moe_block_from_weights, moe_spec
 from wattserve.daemon.engine.rope import RopeTable, init_function, partial_rotary_perm
 from wattserve.daemon.engine.scheduler import ScheduledChunk
 from wattserve.kernels.attention import (
@@ -257,8 +258,13 @@ class LlamaModel:
             self.tied_embeddings = same
             head = Linear(self.embed if same else head_param.detach().to(dev, dtype))
             self.final_norm = self._norm_weight(inner.norm.weight)
+            # None for a dense layer; a MoE block (moe.py) takes the MLP's slot otherwise.
+            self.moe_specs = [moe_spec(cfg, i) for i in range(len(inner.layers))]
             raws = [take_layer(layer, fam) for layer in inner.layers]
-            layers = [self._layer(raw, self._full_precision_linear, None) for raw in raws]
+            layers = [
+                self._layer(raw, self._full_precision_linear, None, spec)
+                for raw, spec in zip(raws, self.moe_specs, strict=True)
+            ]
         base = LevelWeights(self.full_precision_level, layers, head, _linear_bytes(layers, head))
         self._levels[base.level] = base
         self._active = base
@@ -326,9 +332,12 @@ class LlamaModel:
         qk = qk.reshape(qk_heads, d, *t.shape[1:]).index_select(1, self._perm)
         return torch.cat([qk.reshape(qk_heads * d, *t.shape[1:]), v])
 
-    def _layer(self, raw: RawLayer, make, shared: LayerWeights | None) -> LayerWeights:
+    def _layer(
+        self, raw: RawLayer, make, shared: LayerWeights | None, moe: MoeSpec | None
+    ) -> LayerWeights:
         """One layer's weights; make(weight, bias) builds a linear at the level wanted.
-        shared: a prepared level's layer whose norms this one reuses."""
+        shared: a prepared level's layer whose norms this one reuses. moe: the layer's
+        MoE spec (its router stays at full precision), None for a dense MLP."""
         s = self.shape
         bias = self._permute_qk_rows(raw.qkv_bias)
         if shared is None:
@@ -343,8 +352,32 @@ class LlamaModel:
             k_norm=k_norm,
             qkv=make(self._permute_qk_rows(raw.qkv), None if bias is None else bias),
             o=make(raw.o, None),
-            mlp=DenseMLP(make(raw.gate_up, None), make(raw.down, None), self.family.activation),
+            mlp=self._mlp(raw, make, moe),
         )
+
+    def _mlp(self, raw: RawLayer, make, moe: MoeSpec | None) -> DenseMLP | MoeBlock:
+        if (moe is None) != (raw.moe is None):
+            raise FamilyConfigError(
+                "num_experts: the config and the checkpoint's layers disagree on which "
+                "layers are mixture-of-experts"
+            )
+        if moe is None:
+            return DenseMLP(make(raw.gate_up, None), make(raw.down, None), self.family.activation)
+        full = make is self._full_precision_linear
+        return moe_block_from_weights(
+            moe,
+            *raw.moe,
+            None if full else make,
+            self._full_precision_linear,
+            self.dtype,
+            self.device,
+        )
+
+    @property
+    def graph_capturable(self) -> bool:
+        """Whether a decode step can be captured in a CUDA graph: not with a MoE layer,
+        whose block reads its per-expert token counts back to the host."""
+        return all(spec is None for spec in self.moe_specs)
 
     # ---- quantization levels ---------------------------------------------------------
     @property
@@ -382,8 +415,10 @@ class LlamaModel:
 
             with torch.no_grad():
                 layers = [
-                    self._layer(take_layer(layer, self.family), make, base)
-                    for base, layer in zip(base_layers, inner_model(hf).layers, strict=True)
+                    self._layer(take_layer(layer, self.family), make, base, moe)
+                    for base, layer, moe in zip(
+                        base_layers, inner_model(hf).layers, self.moe_specs, strict=True
+                    )
                 ]
                 head_w = hf.get_output_embeddings().weight.to(dev)
                 head = make_linear(head_w, None, head_level(spec), dtype)
@@ -403,14 +438,22 @@ class LlamaModel:
         spec = parse_level(level)
         s, dev = self.shape, self.device
         qkv_out = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
-        per_layer = (
-            linear_nbytes(qkv_out, s.hidden_size, spec, dev)
-            + linear_nbytes(s.hidden_size, s.num_heads * s.head_dim, spec, dev)
-            + linear_nbytes(2 * s.intermediate_size, s.hidden_size, spec, dev)
-            + linear_nbytes(s.hidden_size, s.intermediate_size, spec, dev)
+        attention = linear_nbytes(qkv_out, s.hidden_size, spec, dev) + linear_nbytes(
+            s.hidden_size, s.num_heads * s.head_dim, spec, dev
+        )
+        dense_mlp = linear_nbytes(
+            2 * s.intermediate_size, s.hidden_size, spec, dev
+        ) + linear_nbytes(s.hidden_size, s.intermediate_size, spec, dev)
+        # A MoE layer's router stays at the full-precision dtype (moe.py).
+        mlps = sum(
+            dense_mlp
+            if moe is None
+            else moe.linear_bytes(s.hidden_size, spec, dev)
+            + moe.num_experts * s.hidden_size * self.dtype.itemsize
+            for moe in self.moe_specs
         )
         head = linear_nbytes(s.vocab_size, s.hidden_size, head_level(spec), dev)
-        return s.num_layers * per_layer + head
+        return s.num_layers * attention + mlps + head
 
     def weight_bytes(self) -> int:
         """Weight bytes one step reads at the active level: the linears incl. the LM head,
@@ -448,9 +491,7 @@ class LlamaModel:
             end = c.start + c.num_tokens
             ids.extend(c.seq.token_ids(c.start, end))
             positions = range(c.start, end)
-            pos.extend(
-                self.rope.rows(c.start, end, len(c.seq.prompt_token_ids), c.seq.num_tokens)
-            )
+            pos.extend(self.rope.rows(c.start, end, len(c.seq.prompt_token_ids), c.seq.num_tokens))
             slots.extend(table[p // bs] * bs + p % bs for p in positions)
             lay.query_start.append(len(ids))
             lay.context_lens.append(end)
