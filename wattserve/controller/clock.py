@@ -174,7 +174,7 @@ class ClockTimescale(Part):
                 # (Outlook.safe_clock): a prediction over the budget there is the power
                 # guard's to settle on measured power (it drops the floor), or the guard's
                 # step up and this search take turns undoing each other.
-                floor = outlook.latency_guard.floor(now_s)
+                floor = outlook.latency_hold.floor(now_s)
                 lower = [
                     (interval_now, at(f, interval_now))
                     for f in lim.clocks_mhz

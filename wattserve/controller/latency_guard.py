@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
 
+from wattserve.controller.guard_state import DescentWatch, LatencyGuardState
 from wattserve.controller.learner import Learner
 from wattserve.controller.limits import Limits
 from wattserve.controller.models import Workload, percentile_of
@@ -37,33 +37,6 @@ from wattserve.controller.part import Part
 from wattserve.controller.policy import Knobs
 from wattserve.controller.signals import EngineStats, Telemetry
 from wattserve.controller.state import Choice, ControllerState, Reason
-
-
-@dataclass
-class DescentWatch:
-    """A descent on probation: the setting it left (before the first descent of a chain
-    not yet earned), when the latest began, and the latencies measured since then."""
-
-    from_mhz: int
-    from_interval_ms: float
-    since_s: float
-    ttft_ms: list[float] = field(default_factory=list)
-    tpot_ms: list[float] = field(default_factory=list)
-
-
-@dataclass
-class LatencyGuardState:
-    waiting_hist: deque[int] = field(default_factory=deque)  # queue lengths, latest last
-    running_hist: deque[int] = field(default_factory=deque)  # running batches, latest last
-    last_fired_s: float = -math.inf
-    floor_mhz: int | None = None  # no clock below this while it holds
-    floor_until_s: float = -math.inf
-    watch: DescentWatch | None = None
-    bar_mhz: int | None = None  # a reverted descent: no clock below this while it holds
-    bar_until_s: float = -math.inf
-    pace_bar_ms: float | None = None  # and no decode interval longer than this
-    hold_until_s: float = -math.inf  # the timescales hold still until then
-    queue_floor: bool = False  # the floor in force was put up by a queue, not a miss
 
 
 class LatencyGuard(Part):
@@ -134,28 +107,15 @@ class LatencyGuard(Part):
             s.watch = DescentWatch(w.from_mhz, w.from_interval_ms, now_s)
 
     def floor(self, now_s: float) -> int | None:
-        """The clock floor in force: a guard's step up or a reverted descent's bar (None:
-        none holds)."""
-        s = self.state
-        held = [
-            f
-            for f, until in ((s.floor_mhz, s.floor_until_s), (s.bar_mhz, s.bar_until_s))
-            if f is not None and now_s < until
-        ]
-        return max(held) if held else None
-
-    def pace_limit_ms(self, now_s: float) -> float | None:
-        """The longest decode interval a reverted descent allows (None: no bar)."""
-        s = self.state
-        return s.pace_bar_ms if now_s < s.bar_until_s else None
+        """See LatencyGuardState.floor."""
+        return self.state.floor(now_s)
 
     def fired_within(self, now_s: float, seconds: float) -> bool:
-        return now_s - self.state.last_fired_s < seconds
+        return self.state.fired_within(now_s, seconds)
 
     def holding(self, now_s: float) -> bool:
-        """Fired within guard_hold_s (or until its floor let go): the timescales do not
-        shrink or switch meanwhile."""
-        return now_s < self.state.hold_until_s
+        """See LatencyGuardState.holding."""
+        return self.state.holding(now_s)
 
     def release_floor(self) -> None:
         """Transition: the power guard fired; power wins over latency."""

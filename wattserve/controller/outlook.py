@@ -10,18 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from wattserve.controller.guard_state import LatencyGuardState, PowerGuardState
 from wattserve.controller.learner import Learner
 from wattserve.controller.limits import Limits
 from wattserve.controller.models import Prediction, StepCoefficients, Workload, predict
 from wattserve.controller.policy import Knobs, Objective, Policy
 from wattserve.controller.signals import EngineStats
 from wattserve.controller.state import ControllerParams
-
-if TYPE_CHECKING:
-    from wattserve.controller.latency_guard import LatencyGuard
-    from wattserve.controller.power_guard import PowerGuard
 
 
 @dataclass(frozen=True)
@@ -32,8 +28,8 @@ class Outlook:
     params: ControllerParams
     limits: Limits
     learner: Learner
-    power_guard: PowerGuard
-    latency_guard: LatencyGuard
+    power_hold: PowerGuardState  # the guards' holds, read live (the guards write them)
+    latency_hold: LatencyGuardState
     policy: Policy
     now_s: float
     interval_ms: float  # the decode pacing interval in force
@@ -41,7 +37,7 @@ class Outlook:
     def guard_holds(self) -> bool:
         """A latency guard's hold is in force (nothing shrinks or switches): guard_hold_s
         after it fired, or until a queue's floor let go."""
-        return self.latency_guard.holding(self.now_s)
+        return self.latency_hold.holding(self.now_s)
 
     def ttft_ratio(self) -> float:
         return self.learner.ttft_ratio.ratio(self.now_s, self.policy.slo_percentile)
@@ -101,7 +97,7 @@ class Outlook:
         clock predicted over the budget would only be knocked down again). Every budget check
         of a clock asks this one question: the search's and a guard's step up must agree
         on it, or one takes the clock up where the other takes it down."""
-        return self.limits.hw_limit_enforces(budget_w) and not self.power_guard.limit_failed_within(
+        return self.limits.hw_limit_enforces(budget_w) and not self.power_hold.limit_failed_within(
             self.now_s, self.params.power_hold_max_s
         )
 
@@ -151,7 +147,7 @@ class Outlook:
         than trust_clock_steps candidates beyond the clocks this level has been seen at."""
         p, lim = self.params, self.limits
         top = ceiling if ceiling is not None else lim.top_mhz
-        floor = self.latency_guard.floor(self.now_s)
+        floor = self.latency_hold.floor(self.now_s)
         seen = self.learner.step_model(level).seen_clocks(p.trust_min_samples)
         if seen:
             lo = lim.move(lim.snap(min(seen)), -p.trust_clock_steps)

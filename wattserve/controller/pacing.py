@@ -101,7 +101,7 @@ class DecodePacing(Part):
         if self.learner.waiting_now > 0 or outlook.guard_holds():
             return None
         # A longer interval reverted lately (it came near the SLOs) stays barred a while.
-        barred_ms = outlook.latency_guard.pace_limit_ms(now_s)
+        barred_ms = outlook.latency_hold.pace_limit_ms(now_s)
         self.state.next_weigh_s = now_s + p.pace_period_s
         clock = knobs.sm_clock_mhz or self.limits.top_mhz
 

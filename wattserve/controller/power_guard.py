@@ -12,8 +12,8 @@ the hold (up to power_hold_max_s).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+from wattserve.controller.guard_state import PowerGuardState
 from wattserve.controller.learner import Learner
 from wattserve.controller.limits import Limits
 from wattserve.controller.outlook import Outlook
@@ -21,19 +21,6 @@ from wattserve.controller.part import Part
 from wattserve.controller.policy import Knobs
 from wattserve.controller.signals import Telemetry
 from wattserve.controller.state import Choice, ControllerState, Reason
-
-
-@dataclass
-class PowerGuardState:
-    derate: float = 1.0  # the share of the policy's budget in force (thermal derating)
-    ceiling_mhz: int | None = None  # no clock above this (None: no ceiling)
-    ceiling_until_s: float = -math.inf  # held unchanged until then
-    hold_s: float = 0.0  # how long the next ceiling is held
-    last_fired_s: float = -math.inf
-    limit_w: float | None = None  # the board limit the knobs carry, and since when
-    limit_since_s: float = -math.inf
-    # The last firing on readings taken wholly under that limit: it did not hold.
-    limit_failed_s: float = -math.inf
 
 
 class PowerGuard(Part):
@@ -48,9 +35,8 @@ class PowerGuard(Part):
         return self.state.derate
 
     def limit_failed_within(self, now_s: float, seconds: float) -> bool:
-        """Power was measured over the budget under the board limit set for it (the
-        limit did not hold, or not in time) within the last `seconds`."""
-        return now_s - self.state.limit_failed_s < seconds
+        """See PowerGuardState.limit_failed_within."""
+        return self.state.limit_failed_within(now_s, seconds)
 
     def effective_budget_w(self, telemetry: Telemetry | None, budget_w: float) -> float:
         """The policy's budget derated linearly from thermal_derate_start_c of thermal

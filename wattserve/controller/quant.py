@@ -292,11 +292,11 @@ class QuantTimescale(Part):
         # of the margin while its requests meet the SLO, and an escape under load runs a
         # level not measured here with the full chunk, where each slow step holds the queue.
         waiting = self.learner.waiting_now > 0
-        troubled = waiting or outlook.latency_guard.fired_within(now_s, p.quant_stuck_busy_s)
+        troubled = waiting or outlook.latency_hold.fired_within(now_s, p.quant_stuck_busy_s)
         stuck = (
             s.stuck_since_s is not None and now_s - s.stuck_since_s >= p.quant_stuck_s and troubled
         )
-        busy = waiting or outlook.latency_guard.fired_within(now_s, p.guard_hold_s)
+        busy = waiting or outlook.latency_hold.fired_within(now_s, p.guard_hold_s)
         stuck_for = now_s - s.stuck_since_s if s.stuck_since_s is not None else 0.0
         stuck_long = stuck_for >= max(p.quant_stuck_s, p.quant_stuck_busy_s)
         if busy and not stuck_long:
@@ -532,7 +532,7 @@ class QuantTimescale(Part):
                 for lv in unexplored
                 if self.table.order(lv)[0] < mine or self.table.order(lv)[0] == 0.0
             ]
-        calm = not ask.outlook.latency_guard.fired_within(now_s, p.guard_hold_s) and steady_s >= 5.0
+        calm = not ask.outlook.latency_hold.fired_within(now_s, p.guard_hold_s) and steady_s >= 5.0
         # Once a trial has measured a level much slower than the table said, the table is
         # not trusted to pick an escape under load: later trials wait for a calm moment.
         table_wrong = any(now_s - t < p.quant_slow_retry_s for t in s.slow_here_s.values())
