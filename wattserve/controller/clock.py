@@ -119,11 +119,59 @@ class ClockTimescale(Part):
         ceiling: int | None,
     ) -> ClockMove:
         """The clock (and a shorter decode interval) for the knobs after the batch caps."""
-        p, s, lim = self.params, self.state, self.limits
-        now_s = outlook.now_s
+        lim = self.limits
         clock_now = knobs.sm_clock_mhz or lim.top_mhz
         notes: list[str] = []
         clocks = outlook.clock_range(level, ceiling)
+        interval_now = knobs.decode_interval_ms
+        found = self._search(knobs, level, workload, temp, outlook, budget_w, ceiling, clocks)
+        feasible, target_interval, best, now_pred = found
+        if not feasible:
+            code = Reason.INFEASIBLE
+            notes.append("no candidate predicted to meet every target: most headroom within budget")
+        target = best.sm_clock_mhz
+        now_ok = clock_now in clocks and outlook.feasible(now_pred, budget_w)
+        move, why = self._whether_to_move(
+            level, clock_now, best, now_pred, feasible, now_ok, outlook, budget_w
+        )
+        # Pacing goes off at once when nothing meets the targets (no TPOT headroom to trade).
+        interval_move = target_interval != interval_now and (move or not feasible)
+        chosen = now_pred
+        if interval_move:
+            notes.append(f"decode interval {interval_now:g} -> {target_interval:g} ms ({why})")
+            knobs = knobs.with_changes(decode_interval_ms=target_interval)
+            if code is Reason.STEADY:
+                code = Reason.OPTIMIZE
+            chosen = best
+        if target != clock_now and move:
+            notes.append(f"clock {clock_now} -> {target} MHz ({why})")
+            knobs = knobs.with_changes(sm_clock_mhz=target)
+            if target > clock_now and lim.hw_limit_enforces(budget_w):
+                knobs = self._bigger_chunk(knobs, level, best, workload, outlook, budget_w, notes)
+            if code is Reason.STEADY:
+                code = Reason.OPTIMIZE
+            chosen = best
+        shortened = interval_move and target_interval < interval_now and not (feasible and now_ok)
+        return ClockMove(
+            knobs, code, chosen, interval_move, notes, interval_shortened_for_targets=shortened
+        )
+
+    def _search(
+        self,
+        knobs: Knobs,
+        level: str,
+        workload: Workload,
+        temp: float | None,
+        outlook: Outlook,
+        budget_w: float,
+        ceiling: int | None,
+        clocks: list[int],
+    ) -> tuple[bool, float, Prediction, Prediction]:
+        """The best (decode interval, prediction) over the candidate clocks: whether one
+        meets every target, its interval, its prediction, and the prediction in force."""
+        p, lim = self.params, self.limits
+        now_s = outlook.now_s
+        clock_now = knobs.sm_clock_mhz or lim.top_mhz
         interval_now = knobs.decode_interval_ms
 
         def at(f: int, interval: float, load: Workload = workload) -> Prediction:
@@ -163,32 +211,45 @@ class ClockTimescale(Part):
             target_interval, best = min(
                 feasible, key=lambda c: (outlook.score(c[1]), -c[1].sm_clock_mhz, -c[0])
             )
-        else:
-            # Nothing meets everything: no pacing (no TPOT headroom to trade), inside the
-            # power budget, then the most headroom.
-            unpaced = [c for c in cands if c[0] == 0.0]
-            in_budget = [c for c in unpaced if outlook.within_budget(c[1], budget_w)]
-            if not in_budget:
-                # The budget wins over model trust: look below the trusted clocks too; not
-                # below a latency guard's floor, which it set within what the budget allows
-                # (Outlook.safe_clock): a prediction over the budget there is the power
-                # guard's to settle on measured power (it drops the floor), or the guard's
-                # step up and this search take turns undoing each other.
-                floor = outlook.latency_hold.floor(now_s)
-                lower = [
-                    (interval_now, at(f, interval_now))
-                    for f in lim.clocks_mhz
-                    if f < clocks[0]
-                    and (ceiling is None or f <= ceiling)
-                    and (floor is None or f >= floor)
-                ]
-                in_budget = [c for c in lower if outlook.within_budget(c[1], budget_w)]
-                in_budget = in_budget or (lower[:1] if lower else unpaced[:1])
-            target_interval, best = max(in_budget, key=lambda c: c[1].sm_clock_mhz)
-            code = Reason.INFEASIBLE
-            notes.append("no candidate predicted to meet every target: most headroom within budget")
+            return True, target_interval, best, now_pred
+        # Nothing meets everything: no pacing (no TPOT headroom to trade), inside the
+        # power budget, then the most headroom.
+        unpaced = [c for c in cands if c[0] == 0.0]
+        in_budget = [c for c in unpaced if outlook.within_budget(c[1], budget_w)]
+        if not in_budget:
+            # The budget wins over model trust: look below the trusted clocks too; not
+            # below a latency guard's floor, which it set within what the budget allows
+            # (Outlook.safe_clock): a prediction over the budget there is the power
+            # guard's to settle on measured power (it drops the floor), or the guard's
+            # step up and this search take turns undoing each other.
+            floor = outlook.latency_hold.floor(now_s)
+            lower = [
+                (interval_now, at(f, interval_now))
+                for f in lim.clocks_mhz
+                if f < clocks[0]
+                and (ceiling is None or f <= ceiling)
+                and (floor is None or f >= floor)
+            ]
+            in_budget = [c for c in lower if outlook.within_budget(c[1], budget_w)]
+            in_budget = in_budget or (lower[:1] if lower else unpaced[:1])
+        target_interval, best = max(in_budget, key=lambda c: c[1].sm_clock_mhz)
+        return False, target_interval, best, now_pred
+
+    def _whether_to_move(
+        self,
+        level: str,
+        clock_now: int,
+        best: Prediction,
+        now_pred: Prediction,
+        feasible: bool,
+        now_ok: bool,
+        outlook: Outlook,
+        budget_w: float,
+    ) -> tuple[bool, str]:
+        """Whether to move to the search's best now, and why (fast up, slow down)."""
+        p, s, lim = self.params, self.state, self.limits
+        now_s = outlook.now_s
         target = best.sm_clock_mhz
-        now_ok = clock_now in clocks and outlook.feasible(now_pred, budget_w)
         gain = 0.0
         if (
             math.isfinite(now_pred.j_per_token)
@@ -239,45 +300,35 @@ class ClockTimescale(Part):
         s.feasible_since_s = (
             (s.feasible_since_s or now_s) if feasible and (now_ok or move) else None
         )
-        # Pacing goes off at once when nothing meets the targets (no TPOT headroom to trade).
-        interval_move = target_interval != interval_now and (move or not feasible)
-        chosen = now_pred
-        if interval_move:
-            notes.append(f"decode interval {interval_now:g} -> {target_interval:g} ms ({why})")
-            knobs = knobs.with_changes(decode_interval_ms=target_interval)
-            if code is Reason.STEADY:
-                code = Reason.OPTIMIZE
-            chosen = best
-        if target != clock_now and move:
-            notes.append(f"clock {clock_now} -> {target} MHz ({why})")
-            knobs = knobs.with_changes(sm_clock_mhz=target)
-            if target > clock_now and lim.hw_limit_enforces(budget_w):
-                # A faster clock takes at once the bigger prefill chunk the batch caps
-                # would choose at it (a smaller one waits for the batch-cap timescale;
-                # and not where only the clock holds the budget: a bigger chunk draws
-                # more power).
-                bigger = outlook.chunk_choice(
-                    level,
-                    target,
-                    knobs.max_num_seqs,
-                    max(1, min(knobs.max_num_seqs, math.ceil(best.decode_batch))),
-                    workload.mean_context_tokens,
-                    knobs.max_num_batched_tokens,
-                    workload,
-                    budget_w,
-                )
-                if bigger > knobs.max_num_batched_tokens:
-                    notes.append(
-                        f"max_num_batched_tokens {knobs.max_num_batched_tokens} -> {bigger}"
-                    )
-                    knobs = knobs.with_changes(max_num_batched_tokens=bigger)
-            if code is Reason.STEADY:
-                code = Reason.OPTIMIZE
-            chosen = best
-        shortened = interval_move and target_interval < interval_now and not (feasible and now_ok)
-        return ClockMove(
-            knobs, code, chosen, interval_move, notes, interval_shortened_for_targets=shortened
+        return move, why
+
+    def _bigger_chunk(
+        self,
+        knobs: Knobs,
+        level: str,
+        best: Prediction,
+        workload: Workload,
+        outlook: Outlook,
+        budget_w: float,
+        notes: list[str],
+    ) -> Knobs:
+        """A faster clock takes at once the bigger prefill chunk the batch caps would choose
+        at it (a smaller one waits for the batch-cap timescale; and not where only the clock
+        holds the budget: a bigger chunk draws more power). Appends its note."""
+        bigger = outlook.chunk_choice(
+            level,
+            best.sm_clock_mhz,
+            knobs.max_num_seqs,
+            max(1, min(knobs.max_num_seqs, math.ceil(best.decode_batch))),
+            workload.mean_context_tokens,
+            knobs.max_num_batched_tokens,
+            workload,
+            budget_w,
         )
+        if bigger > knobs.max_num_batched_tokens:
+            notes.append(f"max_num_batched_tokens {knobs.max_num_batched_tokens} -> {bigger}")
+            knobs = knobs.with_changes(max_num_batched_tokens=bigger)
+        return knobs
 
     def idle(
         self,

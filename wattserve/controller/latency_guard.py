@@ -27,16 +27,47 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 
 from wattserve.controller.guard_state import DescentWatch, LatencyGuardState
 from wattserve.controller.learner import Learner
 from wattserve.controller.limits import Limits
-from wattserve.controller.models import Workload, percentile_of
+from wattserve.controller.models import Surge, Workload, percentile_of
 from wattserve.controller.outlook import Outlook
 from wattserve.controller.part import Part
-from wattserve.controller.policy import Knobs
+from wattserve.controller.policy import Knobs, Policy
 from wattserve.controller.signals import EngineStats, Telemetry
 from wattserve.controller.state import Choice, ControllerState, Reason
+
+
+@dataclass(frozen=True)
+class Pressure:
+    """What presses on latency at one observation (LatencyGuard._pressure)."""
+
+    ttft_miss: list[float]  # measured TTFTs over the SLO (s)
+    tpot_miss: list[float]  # measured TPOTs over the SLO (s)
+    hist: list[int]  # the waiting queue's lengths, latest last
+    growing: bool  # the waiting queue grew queue_growth_ticks observations in a row
+    long_wait: bool  # a request has waited half its TTFT SLO
+    clock: int  # the clock in force (MHz)
+    level: str  # the quantization level in force
+    late_s: float  # a first token later than this misses slo_margin x the TTFT SLO
+    drain_s: float | None  # when the queue's newest would get its first token
+    queue_late: bool  # drain_s past late_s
+    cap_bound: bool  # a burst filling the engine's largest batch cap
+    surge: Surge | None  # arrivals surging
+
+    @property
+    def fires(self) -> bool:
+        return bool(
+            self.growing
+            or self.long_wait
+            or self.cap_bound
+            or self.queue_late
+            or self.ttft_miss
+            or self.tpot_miss
+            or self.surge
+        )
 
 
 class LatencyGuard(Part):
@@ -134,7 +165,7 @@ class LatencyGuard(Part):
         workload: Workload,
     ) -> Choice | None:
         """The guard's step up (clock, caps, pacing off), or None: nothing to raise."""
-        p, lim = self.params, self.limits
+        p = self.params
         policy = outlook.policy
         now_s = outlook.now_s
         ttft_miss = [x for x in stats.ttft_s if x * 1000.0 > policy.ttft_slo_ms]
@@ -145,6 +176,70 @@ class LatencyGuard(Part):
             reverted = self._revert_descent(telemetry, knobs, outlook, ceiling, budget_w)
             if reverted is not None:
                 return reverted
+        q = self._pressure(stats, knobs, outlook, budget_w, workload, ttft_miss, tpot_miss)
+        if not q.fires:
+            return None
+        if self.fired_within(now_s, p.guard_cooldown_s):
+            # Still within the cooldown of the last step up: keep its floor, no new step.
+            return None
+        target = self._target_clock(
+            q, telemetry, stats, knobs, outlook, ceiling, budget_w, workload
+        )
+        seqs, tokens = self._caps(q, target, stats, knobs, outlook, budget_w, workload)
+        # Decode pacing trades TPOT headroom for energy: a TPOT miss or a long wait leaves
+        # none to trade, at the top clock too, and a surge none to keep (a paced request
+        # holds its slot longer while the arrivals fill the others). (A queue alone leaves
+        # it: the engine does not pace while requests wait.)
+        pace_off = knobs.decode_interval_ms > 0 and bool(
+            q.tpot_miss or q.long_wait or q.cap_bound or q.surge
+        )
+        unchanged = (target, seqs, tokens) == (
+            q.clock,
+            knobs.max_num_seqs,
+            knobs.max_num_batched_tokens,
+        )
+        if unchanged and not pace_off:
+            return None  # nothing left to raise: let the optimizer keep its choice
+        self._hold_floor(target, now_s, queue=not (q.ttft_miss or q.tpot_miss or q.long_wait))
+        code, what = self._what(q, stats, policy)
+        return Choice(
+            ControllerState.GUARD_LATENCY,
+            knobs.with_changes(
+                sm_clock_mhz=target,
+                max_num_seqs=seqs,
+                max_num_batched_tokens=tokens,
+                decode_interval_ms=0.0 if pace_off else knobs.decode_interval_ms,
+            ),
+            code,
+            f"{what}: "
+            + (f"clock {q.clock} -> {target} MHz" if target != q.clock else f"clock {q.clock} MHz")
+            + (
+                f", max_num_seqs {knobs.max_num_seqs} -> {seqs}"
+                if seqs != knobs.max_num_seqs
+                else ""
+            )
+            + (
+                f", max_num_batched_tokens {knobs.max_num_batched_tokens} -> {tokens}"
+                if tokens != knobs.max_num_batched_tokens
+                else ""
+            )
+            + f"; floor held {p.guard_hold_s:g} s"
+            + ("; decode pacing off" if pace_off else ""),
+        )
+
+    def _pressure(
+        self,
+        stats: EngineStats,
+        knobs: Knobs,
+        outlook: Outlook,
+        budget_w: float,
+        workload: Workload,
+        ttft_miss: list[float],
+        tpot_miss: list[float],
+    ) -> Pressure:
+        """What presses on latency now: the queue, the misses, a burst, a surge."""
+        p, lim = self.params, self.limits
+        policy = outlook.policy
         hist = list(self.state.waiting_hist)
         k = p.queue_growth_ticks
         growing = (
@@ -184,11 +279,35 @@ class LatencyGuard(Part):
         # batch is full, seconds in. Step up now, pacing off, and the floor goes with the
         # surge (a queue's floor).
         surge = self.learner.workload.surge
-        if not (growing or long_wait or cap_bound or queue_late or ttft_miss or tpot_miss or surge):
-            return None
-        if self.fired_within(now_s, p.guard_cooldown_s):
-            # Still within the cooldown of the last step up: keep its floor, no new step.
-            return None
+        return Pressure(
+            ttft_miss=ttft_miss,
+            tpot_miss=tpot_miss,
+            hist=hist,
+            growing=growing,
+            long_wait=long_wait,
+            clock=clock,
+            level=level,
+            late_s=late_s,
+            drain_s=drain_s,
+            queue_late=queue_late,
+            cap_bound=cap_bound,
+            surge=surge,
+        )
+
+    def _target_clock(
+        self,
+        q: Pressure,
+        telemetry: Telemetry,
+        stats: EngineStats,
+        knobs: Knobs,
+        outlook: Outlook,
+        ceiling: int | None,
+        budget_w: float,
+        workload: Workload,
+    ) -> int:
+        """The clock the guard steps up to, never above what the budget allows."""
+        p, lim = self.params, self.limits
+        clock, level, late_s = q.clock, q.level, q.late_s
         top = ceiling if ceiling is not None else lim.top_mhz
         # The budget wins over latency: never above what the power model says fits it.
         top = min(top, max(outlook.safe_clock(budget_w, telemetry.gpu_temp_c), lim.snap(clock)))
@@ -198,10 +317,10 @@ class LatencyGuard(Part):
         # the one served, trails most): jump to the top; otherwise step up by
         # guard_clock_steps candidates, or (a late queue) to the lowest clock predicted to
         # drain it in time.
-        jump = long_wait or cap_bound or (surge is not None and (growing or queue_late))
+        jump = q.long_wait or q.cap_bound or (q.surge is not None and (q.growing or q.queue_late))
         step = len(lim.clocks_mhz) if jump else p.guard_clock_steps
         target = min(lim.move(lim.snap(clock), step), top)
-        if queue_late and not jump:
+        if q.queue_late and not jump:
             drain_at = top
             for f in lim.clocks_mhz:
                 if f <= clock or f > top:
@@ -210,11 +329,30 @@ class LatencyGuard(Part):
                 if d is not None and d <= late_s:
                     drain_at = f
                     break
-            if not (growing or ttft_miss or tpot_miss):
+            if not (q.growing or q.ttft_miss or q.tpot_miss):
                 target = min(lim.move(lim.snap(clock), 1), top)
             target = max(target, drain_at)
+        return target
+
+    def _caps(
+        self,
+        q: Pressure,
+        target: int,
+        stats: EngineStats,
+        knobs: Knobs,
+        outlook: Outlook,
+        budget_w: float,
+        workload: Workload,
+    ) -> tuple[int, int]:
+        """The batch caps that go with the step up: max_num_seqs, max_num_batched_tokens."""
+        p, lim = self.params, self.limits
+        clock, level, late_s = q.clock, q.level, q.late_s
         seqs = knobs.max_num_seqs
-        if (growing or long_wait) and stats.num_running >= knobs.max_num_seqs and not tpot_miss:
+        if (
+            (q.growing or q.long_wait)
+            and stats.num_running >= knobs.max_num_seqs
+            and not q.tpot_miss
+        ):
             seqs = min(lim.engine.max_num_seqs_max, max(seqs + 1, math.ceil(seqs * 1.5)))
         tokens = knobs.max_num_batched_tokens
         trained = self.learner.step_model(level).samples >= p.learning_min_steps
@@ -229,77 +367,45 @@ class LatencyGuard(Part):
                     level, target, max(1, stats.num_running), workload.mean_context_tokens
                 )
                 tokens = max(tokens, bigger)
-            if (growing or long_wait or cap_bound or queue_late) and not tpot_miss:
+            if (q.growing or q.long_wait or q.cap_bound or q.queue_late) and not q.tpot_miss:
                 drain = outlook.chunk_to_drain(level, target, stats, tokens, workload, late_s)
                 tokens = max(tokens, drain)
-        # Decode pacing trades TPOT headroom for energy: a TPOT miss or a long wait leaves
-        # none to trade, at the top clock too, and a surge none to keep (a paced request
-        # holds its slot longer while the arrivals fill the others). (A queue alone leaves
-        # it: the engine does not pace while requests wait.)
-        pace_off = knobs.decode_interval_ms > 0 and bool(
-            tpot_miss or long_wait or cap_bound or surge
-        )
-        unchanged = (target, seqs, tokens) == (
-            clock,
-            knobs.max_num_seqs,
-            knobs.max_num_batched_tokens,
-        )
-        if unchanged and not pace_off:
-            return None  # nothing left to raise: let the optimizer keep its choice
-        self._hold_floor(target, now_s, queue=not (ttft_miss or tpot_miss or long_wait))
-        queued = growing or long_wait or cap_bound or queue_late
-        if queued or not (ttft_miss or tpot_miss):  # a queue, or a surge alone
+        return seqs, tokens
+
+    def _what(self, q: Pressure, stats: EngineStats, policy: Policy) -> tuple[Reason, str]:
+        """The reason code and what the guard answers, in words."""
+        lim = self.limits
+        k = self.params.queue_growth_ticks
+        queued = q.growing or q.long_wait or q.cap_bound or q.queue_late
+        if queued or not (q.ttft_miss or q.tpot_miss):  # a queue, or a surge alone
             code = Reason.QUEUE_GROWTH
-            if cap_bound and not long_wait:
+            if q.cap_bound and not q.long_wait:
                 what = (
                     f"{stats.num_running} running at the engine's cap of "
                     f"{lim.engine.max_num_seqs_max}: arrivals queue for a slot"
                 )
-            elif growing:
-                what = f"waiting queue growing ({'→'.join(map(str, hist[-k - 1 :]))})"
-            elif long_wait:
+            elif q.growing:
+                what = f"waiting queue growing ({'→'.join(map(str, q.hist[-k - 1 :]))})"
+            elif q.long_wait:
                 what = f"oldest request waiting {stats.oldest_waiting_s:.2f} s"
-            elif queue_late:
+            elif q.queue_late:
                 what = (
                     f"{stats.num_waiting} waiting would see their first token in "
-                    f"{1000.0 * (drain_s or 0.0):.0f} ms at {clock} MHz"
+                    f"{1000.0 * (q.drain_s or 0.0):.0f} ms at {q.clock} MHz"
                 )
             else:
                 what = ""
-            if surge is not None and not (cap_bound or long_wait):
-                what = f"{what}, {surge.describe()}" if what else surge.describe()
+            if q.surge is not None and not (q.cap_bound or q.long_wait):
+                what = f"{what}, {q.surge.describe()}" if what else q.surge.describe()
         else:
             code = Reason.SLO_MISS
             parts = []
-            if ttft_miss:
-                parts.append(f"TTFT {max(ttft_miss) * 1000:.0f} ms > {policy.ttft_slo_ms:g} ms")
-            if tpot_miss:
-                parts.append(f"TPOT {max(tpot_miss) * 1000:.0f} ms > {policy.tpot_slo_ms:g} ms")
+            if q.ttft_miss:
+                parts.append(f"TTFT {max(q.ttft_miss) * 1000:.0f} ms > {policy.ttft_slo_ms:g} ms")
+            if q.tpot_miss:
+                parts.append(f"TPOT {max(q.tpot_miss) * 1000:.0f} ms > {policy.tpot_slo_ms:g} ms")
             what = "measured " + ", ".join(parts)
-        return Choice(
-            ControllerState.GUARD_LATENCY,
-            knobs.with_changes(
-                sm_clock_mhz=target,
-                max_num_seqs=seqs,
-                max_num_batched_tokens=tokens,
-                decode_interval_ms=0.0 if pace_off else knobs.decode_interval_ms,
-            ),
-            code,
-            f"{what}: "
-            + (f"clock {clock} -> {target} MHz" if target != clock else f"clock {clock} MHz")
-            + (
-                f", max_num_seqs {knobs.max_num_seqs} -> {seqs}"
-                if seqs != knobs.max_num_seqs
-                else ""
-            )
-            + (
-                f", max_num_batched_tokens {knobs.max_num_batched_tokens} -> {tokens}"
-                if tokens != knobs.max_num_batched_tokens
-                else ""
-            )
-            + f"; floor held {p.guard_hold_s:g} s"
-            + ("; decode pacing off" if pace_off else ""),
-        )
+        return code, what
 
     def _revert_descent(
         self,

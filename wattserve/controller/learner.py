@@ -162,6 +162,21 @@ class Learner:
             stats.steps,
             paced=paced,
         )
+        self._learn_latencies(stats, now_s, tracking)
+        self.waiting_now = stats.num_waiting
+        self.running_now = stats.num_running
+        peaks = self.running_peaks
+        while peaks and peaks[-1][1] <= stats.num_running:
+            peaks.pop()
+        peaks.append((now_s, stats.num_running))
+        while peaks and now_s - peaks[0][0] > self.params.quant_peak_window_s:
+            peaks.popleft()
+        if usable:
+            assert telemetry is not None
+            self._learn_telemetry(telemetry, stats, now_s, clock_now, since_clock_change_s)
+
+    def _learn_latencies(self, stats: EngineStats, now_s: float, tracking: bool) -> None:
+        """The measured TTFTs and TPOTs: the percentile ratios and the adaptive margin."""
         # A request's latency spans seconds of operation, so it is compared with the model's
         # recent mean prediction (smoothed over about a request's life), and only while the
         # controller is tracking at one quantization level (not through learning or trials).
@@ -200,36 +215,36 @@ class Learner:
                     self.tpot_error.add(
                         now_s, x * 1000.0, self.pred_tpot_pct_ms.value or 0.0, self.pred_key
                     )
-        self.waiting_now = stats.num_waiting
-        self.running_now = stats.num_running
-        peaks = self.running_peaks
-        while peaks and peaks[-1][1] <= stats.num_running:
-            peaks.pop()
-        peaks.append((now_s, stats.num_running))
-        while peaks and now_s - peaks[0][0] > self.params.quant_peak_window_s:
-            peaks.popleft()
-        if usable:
-            assert telemetry is not None
-            slowdown = telemetry.hw_slowdown or telemetry.thermal_throttle
-            if slowdown and not self.slowdown_active:
-                # The latency seen under a hardware slowdown says little about the clock
-                # commanded: trust the models less so they re-learn quickly, and forget
-                # the percentile ratios measured before.
-                for m in self.step_models.values():
-                    m.rls.inflate(10.0)
-                self.ttft_ratio.clear()
-                self.tpot_ratio.clear()
-                self.ttft_error.clear()
-                self.tpot_error.clear()
-            self.slowdown_active = slowdown
-            self._learn_power(telemetry, clock_now)
-            # How far short-window readings with prefill run above the model's prefill
-            # phase (prefill chunks differ in intensity): calibrates the peak prediction.
-            recent = [s for s in stats.steps if s.has_prefill]
-            settled = since_clock_change_s >= CLOCK_SETTLED_S
-            if recent and settled and telemetry.power_w is not None and clock_now:
-                model_peak = self.power.predict_w(clock_now, 0.0, 1.0, telemetry.gpu_temp_c)
-                self.peak_ratio.add(now_s, telemetry.power_w, model_peak)
+
+    def _learn_telemetry(
+        self,
+        telemetry: Telemetry,
+        stats: EngineStats,
+        now_s: float,
+        clock_now: int | None,
+        since_clock_change_s: float,
+    ) -> None:
+        """A usable power reading: the hardware slowdown, the power model, the peak ratio."""
+        slowdown = telemetry.hw_slowdown or telemetry.thermal_throttle
+        if slowdown and not self.slowdown_active:
+            # The latency seen under a hardware slowdown says little about the clock
+            # commanded: trust the models less so they re-learn quickly, and forget
+            # the percentile ratios measured before.
+            for m in self.step_models.values():
+                m.rls.inflate(10.0)
+            self.ttft_ratio.clear()
+            self.tpot_ratio.clear()
+            self.ttft_error.clear()
+            self.tpot_error.clear()
+        self.slowdown_active = slowdown
+        self._learn_power(telemetry, clock_now)
+        # How far short-window readings with prefill run above the model's prefill
+        # phase (prefill chunks differ in intensity): calibrates the peak prediction.
+        recent = [s for s in stats.steps if s.has_prefill]
+        settled = since_clock_change_s >= CLOCK_SETTLED_S
+        if recent and settled and telemetry.power_w is not None and clock_now:
+            model_peak = self.power.predict_w(clock_now, 0.0, 1.0, telemetry.gpu_temp_c)
+            self.peak_ratio.add(now_s, telemetry.power_w, model_peak)
 
     def _learn_power(self, telemetry: Telemetry, idle_clock: int | None) -> None:
         if telemetry.power_avg_w is None or idle_clock is None:

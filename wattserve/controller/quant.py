@@ -316,18 +316,38 @@ class QuantTimescale(Part):
             if switched is not None:
                 return switched
         if since >= (p.quant_explore_dwell_s if stuck else p.quant_dwell_s):
-            known = self._known(ask, allowed, table_rules, mine)
-            if not known and stuck:
-                escaped = self._escape_by_headroom(ask, allowed)
-                if escaped is not None:
-                    return escaped
-            if known:
-                if current is None and not stuck:
-                    return None  # a transient miss is the guards' business, not a reason
-                switched = self._switch_known(ask, known, current, stuck, since)
-                if switched is not None:
-                    return switched
+            done, switched = self._after_dwell(
+                ask, allowed, current, stuck, table_rules, mine, since
+            )
+            if done:
+                return switched
         return self._explore(ask, allowed, stuck, table_rules, mine, since, steady_s)
+
+    def _after_dwell(
+        self,
+        ask: _Ask,
+        allowed: tuple[str, ...],
+        current: Prediction | None,
+        stuck: bool,
+        table_rules: bool,
+        mine: float,
+        since: float,
+    ) -> tuple[bool, Choice | None]:
+        """After the dwell: a known level, or an escape by headroom when stuck. (True, its
+        choice) where the step ends here (the choice None: nothing moves); (False, None)
+        where a trial may still be begun."""
+        known = self._known(ask, allowed, table_rules, mine)
+        if not known and stuck:
+            escaped = self._escape_by_headroom(ask, allowed)
+            if escaped is not None:
+                return True, escaped
+        if known:
+            if current is None and not stuck:
+                return True, None  # a transient miss is the guards' business, not a reason
+            switched = self._switch_known(ask, known, current, stuck, since)
+            if switched is not None:
+                return True, switched
+        return False, None
 
     def _conclude_trial(self, ask: _Ask, since: float) -> Choice | None:
         """The trial is over after quant_explore_dwell_s once its model has learned: keep
@@ -472,7 +492,26 @@ class QuantTimescale(Part):
         level cannot cope, a level measured faster (bench quant's decode speed) whose model
         has not seen batches like those running now is tried again at this load (at most
         once per quant_peak_window_s): its model, not trusted there, learns them."""
-        s, p, now_s, level, base = self.state, self.params, ask.now_s, ask.level, ask.base
+        s, p, now_s = self.state, self.params, ask.now_s
+        unexplored, what = self._untried(ask, allowed, stuck, table_rules, mine)
+        calm = not ask.outlook.latency_hold.fired_within(now_s, p.guard_hold_s) and steady_s >= 5.0
+        # Once a trial has measured a level much slower than the table said, the table is
+        # not trusted to pick an escape under load: later trials wait for a calm moment.
+        table_wrong = any(now_s - t < p.quant_slow_retry_s for t in s.slow_here_s.values())
+        if not (
+            unexplored
+            and since >= p.quant_explore_dwell_s
+            and (calm or (stuck and not table_wrong))
+        ):
+            return None
+        target = sorted(unexplored, key=self.table.order)[0]
+        return self._begin_trial(ask, target, stuck, what)
+
+    def _untried(
+        self, ask: _Ask, allowed: tuple[str, ...], stuck: bool, table_rules: bool, mine: float
+    ) -> tuple[list[str], str]:
+        """The levels a trial may try now, and what makes them worth one."""
+        s, p, now_s, level = self.state, self.params, ask.now_s, ask.level
         # Untrained, and never tried here or a calm trial of it aborted long enough ago
         # (a level left at the cold start has a few steps, no trained model).
         unexplored = [
@@ -532,17 +571,11 @@ class QuantTimescale(Part):
                 for lv in unexplored
                 if self.table.order(lv)[0] < mine or self.table.order(lv)[0] == 0.0
             ]
-        calm = not ask.outlook.latency_hold.fired_within(now_s, p.guard_hold_s) and steady_s >= 5.0
-        # Once a trial has measured a level much slower than the table said, the table is
-        # not trusted to pick an escape under load: later trials wait for a calm moment.
-        table_wrong = any(now_s - t < p.quant_slow_retry_s for t in s.slow_here_s.values())
-        if not (
-            unexplored
-            and since >= p.quant_explore_dwell_s
-            and (calm or (stuck and not table_wrong))
-        ):
-            return None
-        target = sorted(unexplored, key=self.table.order)[0]
+        return unexplored, what
+
+    def _begin_trial(self, ask: _Ask, target: str, stuck: bool, what: str) -> Choice:
+        """Transition: a trial of `target` begins."""
+        s, p, now_s, level, base = self.state, self.params, ask.now_s, ask.level, ask.base
         s.aborted_s.pop(target, None)
         if target in s.explored:
             s.retried_s[target] = now_s
