@@ -48,7 +48,7 @@ class BatchCaps(Part):
         """The caps, every batch_period_s: the knobs with them, and a note if they changed.
         probing: a quantization trial's probe holds a small chunk (left as it is)."""
         now_s = outlook.now_s
-        if now_s - self.state.last_update_s < self.params.batch_period_s:
+        if now_s - self.state.last_update_s < self.params.batch_caps.batch_period_s:
             return knobs, None
         self.state.last_update_s = now_s
         seqs, tokens = self.choose(
@@ -170,7 +170,7 @@ class BatchCaps(Part):
             # The bound moves with the estimated decode batch, whose noise must not flip
             # the chunk every period: one change per chunk_period_s (a clock raise or a
             # guard takes the bigger chunk at once, elsewhere).
-            if now_s - self.state.last_chunk_change_s < p.chunk_period_s:
+            if now_s - self.state.last_chunk_change_s < p.batch_caps.chunk_period_s:
                 tokens = knobs.max_num_batched_tokens
             else:
                 self.state.last_chunk_change_s = now_s

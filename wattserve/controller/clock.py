@@ -80,7 +80,7 @@ class ClockTimescale(Part):
         first token within slo_margin x the TTFT SLO: evidence that the configuration in
         force works before the next step down."""
         seen = self.state.ttft_since_change_ms
-        return seen is not None and seen <= self.params.slo_margin * policy.ttft_slo_ms
+        return seen is not None and seen <= self.params.targets.slo_margin * policy.ttft_slo_ms
 
     # ---- transitions driven by the others ----------------------------------------
 
@@ -197,14 +197,14 @@ class ClockTimescale(Part):
         # one that keeps the current clock, so noise near the edge cannot flip between them,
         # and at a load descend_load_z standard errors above the estimate: a lull of random
         # arrivals must not take the clock down for the next rush to bring it back up.
-        upper = workload.upper(p.descend_load_z)
+        upper = workload.upper(p.clock.descend_load_z)
 
         def ok(i: float, pr: Prediction) -> bool:
             if pr.sm_clock_mhz >= clock_now:
                 return outlook.feasible(pr, budget_w)
             if upper is not workload:
                 pr = at(pr.sm_clock_mhz, i, upper)
-            return outlook.feasible(pr, budget_w, p.descend_margin)
+            return outlook.feasible(pr, budget_w, p.clock.descend_margin)
 
         feasible = [(i, pr) for i, pr in cands if ok(i, pr)]
         if feasible:
@@ -257,7 +257,7 @@ class ClockTimescale(Part):
             and now_pred.j_per_token > 0
         ):
             gain = 100.0 * (1.0 - best.j_per_token / now_pred.j_per_token)
-        may_change = now_s - s.last_change_s >= p.clock_min_interval_s
+        may_change = now_s - s.last_change_s >= p.clock.clock_min_interval_s
         # Fast up, slow down: after any move up, no move down for descend_hold_s, and none
         # while requests queue (the model's steady state is not what they see). While the
         # level's model is young (under descend_evidence_steps steps), a step below every
@@ -266,11 +266,13 @@ class ClockTimescale(Part):
         # sensitivity is extrapolated from a few prefill steps, and a young model can call
         # a clock far below the seen ones safe when its requests would miss the SLO.
         model = self.learner.step_model(level)
-        young = model.samples < p.descend_evidence_steps
-        unseen_below = target < min(model.seen_clocks(p.trust_min_samples), default=lim.top_mhz)
+        young = model.samples < p.clock.descend_evidence_steps
+        unseen_below = target < min(
+            model.seen_clocks(p.learning.trust_min_samples), default=lim.top_mhz
+        )
         may_descend = (
             may_change
-            and now_s - s.last_up_s >= p.descend_hold_s
+            and now_s - s.last_up_s >= p.clock.descend_hold_s
             and self.learner.waiting_now == 0
             and (self.ttft_seen(outlook.policy) or not (young and unseen_below))
         )
@@ -278,7 +280,7 @@ class ClockTimescale(Part):
             s.infeasible_since_s = None
         if feasible and now_ok:
             move = (may_descend if target < clock_now else may_change) and (
-                gain >= p.clock_gain_min_pct
+                gain >= p.clock.clock_gain_min_pct
             )
             why = f"{gain:.1f}% less J/token"
         elif feasible:
@@ -287,7 +289,7 @@ class ClockTimescale(Part):
             # the guards' to catch at once), or at once when it is over the budget.
             if s.infeasible_since_s is None:
                 s.infeasible_since_s = now_s
-            held = now_s - s.infeasible_since_s >= p.clock_min_interval_s
+            held = now_s - s.infeasible_since_s >= p.clock.clock_min_interval_s
             move = held or not outlook.within_budget(now_pred, budget_w)
             why = "restore feasibility"
         else:
@@ -342,11 +344,11 @@ class ClockTimescale(Part):
         arrival (the mean prompt) meets slo_margin x the SLO; the clock in force while the
         level's model is untrained."""
         p = self.params
-        slo = outlook.policy.ttft_slo_ms * p.slo_margin
+        slo = outlook.policy.ttft_slo_ms * p.targets.slo_margin
         ratio = outlook.ttft_ratio()
         top = ceiling if ceiling is not None else self.limits.top_mhz
         chosen = None
-        if model.samples >= p.learning_min_steps:
+        if model.samples >= p.learning.learning_min_steps:
             level = knobs.quant_level or self.limits.engine.full_precision_level
             for f in outlook.clock_range(level, ceiling):
                 if f > top:

@@ -20,6 +20,7 @@ from wattserve.controller.models import (
 )
 from wattserve.controller.outlook import Outlook
 from wattserve.controller.pacing import DecodePacing
+from wattserve.controller.params import ControllerParams
 from wattserve.controller.policy import ControlMode, Knobs, Policy, allowed_quant_levels
 from wattserve.controller.power_guard import PowerGuard
 from wattserve.controller.quant import QuantTimescale
@@ -32,7 +33,6 @@ from wattserve.controller.signals import (
 from wattserve.controller.state import (
     Choice,
     ControllerCounters,
-    ControllerParams,
     ControllerState,
     Decision,
     Reason,
@@ -198,7 +198,7 @@ class Controller:
             "models": {
                 level: {
                     "step_samples": m.samples,
-                    "seen_clocks_mhz": m.seen_clocks(self.params.trust_min_samples),
+                    "seen_clocks_mhz": m.seen_clocks(self.params.learning.trust_min_samples),
                 }
                 for level, m in self.learner.step_models.items()
             },
@@ -336,13 +336,13 @@ class Controller:
             self._idle_since_s = None
         elif self._idle_since_s is None:
             self._idle_since_s = now_s
-        if idle_now and now_s - self._idle_since_s >= p.idle_after_s:
+        if idle_now and now_s - self._idle_since_s >= p.fallback.idle_after_s:
             return self.clock.idle(base, step_model, workload, outlook, ceiling)
 
         # 6. Learning: too little data to trust the models; the highest clock the budget allows.
         learning = (
-            step_model.samples < p.learning_min_steps
-            or power_model.samples < p.learning_min_power_samples
+            step_model.samples < p.learning.learning_min_steps
+            or power_model.samples < p.learning.learning_min_power_samples
         )
         if learning:
             return self._learning(base, level, ceiling)
@@ -359,7 +359,7 @@ class Controller:
         if self._stale_since_s is None:
             self._stale_since_s = now_s
         stale_for = now_s - self._stale_since_s
-        if stale_for < p.stale_hold_s:
+        if stale_for < p.fallback.stale_hold_s:
             return Choice(
                 ControllerState.HOLD,
                 self._last_safe,
@@ -371,7 +371,7 @@ class Controller:
             ControllerState.FALLBACK,
             self._fallback_knobs(current, budget_w),
             Reason.STALE_FALLBACK,
-            f"telemetry stale for {stale_for:.1f} s (> {p.stale_hold_s:g} s): "
+            f"telemetry stale for {stale_for:.1f} s (> {p.fallback.stale_hold_s:g} s): "
             "conservative fallback configuration",
         )
 
@@ -457,14 +457,14 @@ class Controller:
         # controller already runs, at its clock and decode interval: its model starts
         # from the other level's clock sensitivity, and the guards stay armed.
         trained = any(
-            m.samples >= p.learning_min_steps
+            m.samples >= p.learning.learning_min_steps
             for lv, m in self.learner.step_models.items()
             if lv != level
         )
         interval_ms = 0.0
-        if not trained and step_model.samples >= p.learning_min_steps // 2:
-            top = self.limits.snap(p.learning_low_clock_fraction * top)
-        if trained and power_model.samples >= p.learning_min_power_samples:
+        if not trained and step_model.samples >= p.learning.learning_min_steps // 2:
+            top = self.limits.snap(p.learning.learning_low_clock_fraction * top)
+        if trained and power_model.samples >= p.learning.learning_min_power_samples:
             top = min(top, base.sm_clock_mhz or top)
             interval_ms = base.decode_interval_ms
         knobs = base.with_changes(sm_clock_mhz=top, decode_interval_ms=interval_ms)
@@ -472,8 +472,8 @@ class Controller:
             ControllerState.LEARNING,
             knobs,
             Reason.LEARNING,
-            f"learning {level}: {step_model.samples}/{p.learning_min_steps} steps, "
-            f"{power_model.samples}/{p.learning_min_power_samples} power samples; "
+            f"learning {level}: {step_model.samples}/{p.learning.learning_min_steps} steps, "
+            f"{power_model.samples}/{p.learning.learning_min_power_samples} power samples; "
             f"clock {top} MHz",
         )
 
@@ -497,8 +497,8 @@ class Controller:
     def _fallback_knobs(self, current: Knobs, budget_w: float) -> Knobs:
         p = self.params
         ladder = self.device.sm_clock_ladder_mhz
-        clock = p.fallback_sm_clock_mhz or ladder[len(ladder) // 2]
-        seqs = p.fallback_max_num_seqs or max(1, self.engine.max_num_seqs_max // 2)
+        clock = p.fallback.fallback_sm_clock_mhz or ladder[len(ladder) // 2]
+        seqs = p.fallback.fallback_max_num_seqs or max(1, self.engine.max_num_seqs_max // 2)
         return current.with_changes(
             sm_clock_mhz=clock,
             max_num_seqs=min(seqs, current.max_num_seqs),
@@ -531,7 +531,7 @@ class Controller:
         if switched is not None:
             return switched
         surprise = self.learner.step_model(level).surprise
-        if surprise > self.params.surprise_max:
+        if surprise > self.params.learning.surprise_max:
             # The engine slowed down suddenly: while the model's fit swings towards the new
             # costs, its predictions may call steps free, so nothing moves on them.
             return Choice(

@@ -76,8 +76,8 @@ class LatencyGuard(Part):
     def __init__(self, limits: Limits, learner: Learner) -> None:
         super().__init__(limits, learner)
         self.state = LatencyGuardState(
-            waiting_hist=deque(maxlen=max(2, limits.params.queue_growth_ticks + 1)),
-            running_hist=deque(maxlen=max(2, limits.params.guard_rise_ticks + 1)),
+            waiting_hist=deque(maxlen=max(2, limits.params.latency_guard.queue_growth_ticks + 1)),
+            running_hist=deque(maxlen=max(2, limits.params.latency_guard.guard_rise_ticks + 1)),
         )
 
     def note_queue(self, num_waiting: int, num_running: int, now_s: float) -> None:
@@ -90,7 +90,7 @@ class LatencyGuard(Part):
         if (
             s.queue_floor
             and now_s < s.floor_until_s
-            and now_s - s.last_fired_s >= self.params.guard_release_s
+            and now_s - s.last_fired_s >= self.params.latency_guard.guard_release_s
             and len(s.waiting_hist) == s.waiting_hist.maxlen
             and not any(s.waiting_hist)
             and not self.near_engine_cap(num_running)
@@ -122,7 +122,7 @@ class LatencyGuard(Part):
         s = self.state
         w = s.watch
         if w is not None and (
-            now_s - w.since_s > self.params.descent_watch_s
+            now_s - w.since_s > self.params.latency_guard.descent_watch_s
             or (clock_now >= w.from_mhz and knobs.decode_interval_ms <= w.from_interval_ms)
         ):
             s.watch = w = None  # earned, or back where it began
@@ -179,7 +179,7 @@ class LatencyGuard(Part):
         q = self._pressure(stats, knobs, outlook, budget_w, workload, ttft_miss, tpot_miss)
         if not q.fires:
             return None
-        if self.fired_within(now_s, p.guard_cooldown_s):
+        if self.fired_within(now_s, p.latency_guard.guard_cooldown_s):
             # Still within the cooldown of the last step up: keep its floor, no new step.
             return None
         target = self._target_clock(
@@ -223,7 +223,7 @@ class LatencyGuard(Part):
                 if tokens != knobs.max_num_batched_tokens
                 else ""
             )
-            + f"; floor held {p.guard_hold_s:g} s"
+            + f"; floor held {p.latency_guard.guard_hold_s:g} s"
             + ("; decode pacing off" if pace_off else ""),
         )
 
@@ -241,10 +241,10 @@ class LatencyGuard(Part):
         p, lim = self.params, self.limits
         policy = outlook.policy
         hist = list(self.state.waiting_hist)
-        k = p.queue_growth_ticks
+        k = p.latency_guard.queue_growth_ticks
         growing = (
             stats.num_waiting > 0
-            and len(hist) > p.queue_growth_ticks
+            and len(hist) > p.latency_guard.queue_growth_ticks
             and all(b > a for a, b in zip(hist[-k - 1 : -1], hist[-k:], strict=True))
         )
         long_wait = (
@@ -256,7 +256,7 @@ class LatencyGuard(Part):
         # the running batch at this clock, would bring the newest past slo_margin x its
         # TTFT SLO (the oldest has already waited): step up before anyone misses.
         level = knobs.quant_level or lim.engine.full_precision_level
-        late_s = p.slo_margin * policy.ttft_slo_ms / 1000.0
+        late_s = p.targets.slo_margin * policy.ttft_slo_ms / 1000.0
         drain_s = outlook.drain_s(level, clock, stats, knobs, workload)
         queue_late = drain_s is not None and drain_s > late_s
         # A burst filling the engine: the running batch rose guard_rise_factor x over the
@@ -271,7 +271,7 @@ class LatencyGuard(Part):
             and self.near_engine_cap(stats.num_running)
             and knobs.max_num_seqs >= lim.engine.max_num_seqs_max
             and len(runs) == runs.maxlen
-            and stats.num_running >= p.guard_rise_factor * max(runs[0], 1)
+            and stats.num_running >= p.latency_guard.guard_rise_factor * max(runs[0], 1)
         )
         # Arrivals surging (Surge: the last surge_window_s brought far more requests than
         # the rate estimated before them gives): a burst's prompts are admitted into the
@@ -318,7 +318,7 @@ class LatencyGuard(Part):
         # guard_clock_steps candidates, or (a late queue) to the lowest clock predicted to
         # drain it in time.
         jump = q.long_wait or q.cap_bound or (q.surge is not None and (q.growing or q.queue_late))
-        step = len(lim.clocks_mhz) if jump else p.guard_clock_steps
+        step = len(lim.clocks_mhz) if jump else p.latency_guard.guard_clock_steps
         target = min(lim.move(lim.snap(clock), step), top)
         if q.queue_late and not jump:
             drain_at = top
@@ -355,7 +355,7 @@ class LatencyGuard(Part):
         ):
             seqs = min(lim.engine.max_num_seqs_max, max(seqs + 1, math.ceil(seqs * 1.5)))
         tokens = knobs.max_num_batched_tokens
-        trained = self.learner.step_model(level).samples >= p.learning_min_steps
+        trained = self.learner.step_model(level).samples >= p.learning.learning_min_steps
         if trained and lim.hw_limit_enforces(budget_w):
             # Never a smaller chunk here (the next batch-cap update may shrink it once the
             # guard has let go), and none bigger where only the clock holds the budget: a
@@ -375,7 +375,7 @@ class LatencyGuard(Part):
     def _what(self, q: Pressure, stats: EngineStats, policy: Policy) -> tuple[Reason, str]:
         """The reason code and what the guard answers, in words."""
         lim = self.limits
-        k = self.params.queue_growth_ticks
+        k = self.params.latency_guard.queue_growth_ticks
         queued = q.growing or q.long_wait or q.cap_bound or q.queue_late
         if queued or not (q.ttft_miss or q.tpot_miss):  # a queue, or a surge alone
             code = Reason.QUEUE_GROWTH
@@ -423,15 +423,15 @@ class LatencyGuard(Part):
         now_s = outlook.now_s
         if w is None:
             return None
-        if now_s - w.since_s > p.descent_watch_s:
+        if now_s - w.since_s > p.latency_guard.descent_watch_s:
             s.watch = None  # the descent has earned its way
             return None
         policy = outlook.policy
-        pct = p.descent_watch_percentile
+        pct = p.latency_guard.descent_watch_percentile
         ttft_ms = percentile_of(w.ttft_ms, pct) if w.ttft_ms else 0.0
         tpot_ms = percentile_of(w.tpot_ms, pct) if w.tpot_ms else 0.0
-        near_ttft = ttft_ms >= p.descent_guard_fraction * policy.ttft_slo_ms
-        near_tpot = tpot_ms >= p.descent_guard_fraction * policy.tpot_slo_ms
+        near_ttft = ttft_ms >= p.latency_guard.descent_guard_fraction * policy.ttft_slo_ms
+        near_tpot = tpot_ms >= p.latency_guard.descent_guard_fraction * policy.tpot_slo_ms
         if not (near_ttft or near_tpot):
             return None
         s.watch = None
@@ -441,10 +441,10 @@ class LatencyGuard(Part):
         target = max(clock, min(w.from_mhz, top))
         interval = min(knobs.decode_interval_ms, w.from_interval_ms)
         s.last_fired_s = now_s
-        s.hold_until_s = now_s + p.guard_hold_s
+        s.hold_until_s = now_s + p.latency_guard.guard_hold_s
         s.bar_mhz = target
         s.pace_bar_ms = interval
-        s.bar_until_s = now_s + p.descent_bar_s
+        s.bar_until_s = now_s + p.latency_guard.descent_bar_s
         parts = []
         if near_ttft:
             parts.append(f"TTFT p{pct:g} {ttft_ms:.0f} ms")
@@ -455,9 +455,9 @@ class LatencyGuard(Part):
             knobs.with_changes(sm_clock_mhz=target, decode_interval_ms=interval),
             Reason.DESCENT_REVERTED,
             f"measured {', '.join(parts)} since the descent, within "
-            f"{p.descent_guard_fraction:g} x the SLO: clock {clock} -> {target} MHz, "
+            f"{p.latency_guard.descent_guard_fraction:g} x the SLO: clock {clock} -> {target} MHz, "
             f"decode interval {knobs.decode_interval_ms:g} -> {interval:g} ms; "
-            f"lower settings barred {p.descent_bar_s:g} s",
+            f"lower settings barred {p.latency_guard.descent_bar_s:g} s",
         )
 
     def _hold_floor(self, target_mhz: int, now_s: float, queue: bool) -> None:
@@ -465,5 +465,5 @@ class LatencyGuard(Part):
         s = self.state
         s.last_fired_s = now_s
         s.floor_mhz = target_mhz
-        s.floor_until_s = s.hold_until_s = now_s + self.params.guard_hold_s
+        s.floor_until_s = s.hold_until_s = now_s + self.params.latency_guard.guard_hold_s
         s.queue_floor = queue

@@ -20,8 +20,8 @@ from wattserve.controller.models import (
     StepTimeModel,
     WorkloadEstimator,
 )
+from wattserve.controller.params import ControllerParams
 from wattserve.controller.signals import EngineStats, StepRecord, Telemetry
-from wattserve.controller.state import ControllerParams
 
 # The percentile of measured-over-modelled prefill power the peak prediction uses (a few
 # 100 ms readings per second: p90 of the last hundred, not their maximum).
@@ -58,10 +58,10 @@ class Learner:
         self.ttft_error = QuantileRatio(default=1.0, window=400, max_age_s=300.0)
         self.tpot_error = QuantileRatio(default=1.0, window=400, max_age_s=300.0)
         self.workload = WorkloadEstimator(
-            params.workload_tau_s,
-            surge_window_s=params.surge_window_s,
-            surge_alpha=params.surge_alpha,
-            surge_min_ratio=params.surge_min_ratio,
+            params.workload.workload_tau_s,
+            surge_window_s=params.workload.surge_window_s,
+            surge_alpha=params.workload.surge_alpha,
+            surge_min_ratio=params.workload.surge_min_ratio,
         )
         self.recent_steps: deque[StepRecord] = deque(maxlen=512)
         # The model's mean predictions in force, smoothed over about a request's life.
@@ -102,7 +102,7 @@ class Learner:
     def trained(self, level: str) -> bool:
         """The level has a model with learning_min_steps steps."""
         model = self.step_models.get(level)
-        return model is not None and model.samples >= self.params.learning_min_steps
+        return model is not None and model.samples >= self.params.learning.learning_min_steps
 
     @property
     def running_peak(self) -> int:
@@ -120,10 +120,10 @@ class Learner:
         (pooled where that clock has too few), within [1, margin_max]; 1 (the fixed
         slo_margin alone) while too few have been measured anywhere."""
         window = self.ttft_error if kind == "ttft" else self.tpot_error
-        q = window.conformal(now_s, self.params.margin_alpha, (level, clock_mhz))
+        q = window.conformal(now_s, self.params.adaptive_margin.margin_alpha, (level, clock_mhz))
         if q is None:
             return 1.0
-        return min(self.params.margin_max, max(1.0, q))
+        return min(self.params.adaptive_margin.margin_max, max(1.0, q))
 
     def prefill_lately(self, steps: int) -> bool:
         """Whether any of the last `steps` steps had prefill."""
@@ -169,7 +169,7 @@ class Learner:
         while peaks and peaks[-1][1] <= stats.num_running:
             peaks.pop()
         peaks.append((now_s, stats.num_running))
-        while peaks and now_s - peaks[0][0] > self.params.quant_peak_window_s:
+        while peaks and now_s - peaks[0][0] > self.params.quant.quant_peak_window_s:
             peaks.popleft()
         if usable:
             assert telemetry is not None
@@ -202,7 +202,8 @@ class Learner:
         # errors are its youth's, which the clock step's young-model rules cover.
         practised = (
             self.pred_key is not None
-            and self.step_model(self.pred_key[0]).samples >= self.params.descend_evidence_steps
+            and self.step_model(self.pred_key[0]).samples
+            >= self.params.clock.descend_evidence_steps
         )
         if practised and fresh and calm:
             for x in stats.ttft_s:
@@ -210,7 +211,7 @@ class Learner:
                     self.ttft_error.add(
                         now_s, x * 1000.0, self.pred_ttft_pct_ms.value or 0.0, self.pred_key
                     )
-            if now_s - self.pred_since_s >= self.params.margin_settle_s:
+            if now_s - self.pred_since_s >= self.params.adaptive_margin.margin_settle_s:
                 for x in stats.tpot_s:
                     self.tpot_error.add(
                         now_s, x * 1000.0, self.pred_tpot_pct_ms.value or 0.0, self.pred_key
