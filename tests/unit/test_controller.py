@@ -199,7 +199,7 @@ def trial_controller(levels: tuple[QuantOption, ...]) -> Controller:
     """A controller that tries levels quickly: 10 s trials, a 20 s dwell. It starts on the
     full-precision level loaded, not the table's first (the tests that use it follow
     trials from there)."""
-    params = ControllerParams(
+    params = ControllerParams.of(
         quant_dwell_s=20.0, quant_explore_dwell_s=10.0, quant_start_by_table=False
     )
     return make_controller(levels=levels, params=params)
@@ -296,8 +296,8 @@ def test_a_lower_clock_must_meet_the_targets_at_the_load_a_standard_error_above(
     widened, c = descent(0.1)
     assert exact < widened < 1980
     outlook = c.outlook()
-    upper = dataclasses.replace(load, rate_rel_error=0.1).upper(c.params.descend_load_z)
-    margin = c.params.descend_margin
+    upper = dataclasses.replace(load, rate_rel_error=0.1).upper(c.params.clock.descend_load_z)
+    margin = c.params.clock.descend_margin
 
     def meets_at_upper(f: int) -> bool:
         pr = outlook.predict("fp32", f, 64, 512, upper, None, 0.0)
@@ -459,7 +459,9 @@ def test_measured_slo_miss_steps_up_and_holds_a_floor():
 
 
 def test_stale_telemetry_holds_then_falls_back():
-    params = ControllerParams(stale_hold_s=2.0, fallback_sm_clock_mhz=1200, fallback_max_num_seqs=8)
+    params = ControllerParams.of(
+        stale_hold_s=2.0, fallback_sm_clock_mhz=1200, fallback_max_num_seqs=8
+    )
     ctl = make_controller(params=params)
     plant = Plant()
     run(ctl, plant, 30)
@@ -628,7 +630,7 @@ def test_a_level_forbidden_by_policy_is_never_selected():
         QuantOption("int8", 0.5, 1),
         QuantOption("int4", 8.0, 1),  # cheaper still, but over the quality limit
     )
-    params = ControllerParams(quant_dwell_s=5.0, quant_explore_dwell_s=3.0)
+    params = ControllerParams.of(quant_dwell_s=5.0, quant_explore_dwell_s=3.0)
     ctl = make_controller(levels=levels, params=params, max_ppl=2.0)
     plant = Plant(compute_share=0.1, level_speed={"fp32": 1.0, "int8": 0.6, "int4": 0.3})
     decisions = run(ctl, plant, 240)
@@ -644,7 +646,7 @@ def test_a_level_forbidden_by_policy_is_never_selected():
 
 def test_quant_switches_respect_the_dwell_time():
     levels = (QuantOption("fp32", 0.0, 4), QuantOption("int8", 0.5, 1))
-    params = ControllerParams(quant_dwell_s=20.0, quant_explore_dwell_s=5.0)
+    params = ControllerParams.of(quant_dwell_s=20.0, quant_explore_dwell_s=5.0)
     ctl = make_controller(levels=levels, params=params)
     plant = Plant(compute_share=0.1, noise=0.2, level_speed={"fp32": 1.0, "int8": 0.97})
     decisions = run(ctl, plant, 300)
@@ -743,7 +745,7 @@ def test_a_queues_floor_lets_go_once_the_queue_has_drained():
     released_s = None
     below = []
     knobs = d.knobs
-    for _ in range(int(0.8 * ctl.params.guard_hold_s / TICK_S)):
+    for _ in range(int(0.8 * ctl.params.latency_guard.guard_hold_s / TICK_S)):
         telemetry, stats = plant.tick(knobs)
         d = ctl.observe(telemetry, stats, plant.t_s)
         knobs = d.knobs if d.apply else knobs
@@ -751,7 +753,7 @@ def test_a_queues_floor_lets_go_once_the_queue_has_drained():
             released_s = plant.t_s
         below.append(knobs.sm_clock_mhz < floor)
     assert released_s is not None
-    assert released_s - fired_s >= ctl.params.guard_release_s
+    assert released_s - fired_s >= ctl.params.latency_guard.guard_release_s
     assert any(below)
 
 
@@ -774,7 +776,7 @@ def test_no_clock_descent_while_requests_wait():
 
 def test_no_quantization_trial_while_requests_wait():
     levels = (QuantOption("fp32", 0.0, 4), QuantOption("int8", 0.5, 1))
-    params = ControllerParams(quant_dwell_s=5.0, quant_explore_dwell_s=3.0)
+    params = ControllerParams.of(quant_dwell_s=5.0, quant_explore_dwell_s=3.0)
     ctl = make_controller(levels=levels, params=params)
     plant = Plant(compute_share=0.1, level_speed={"fp32": 1.0, "int8": 0.6})
     plant.waiting = 1
@@ -787,7 +789,7 @@ def test_no_quantization_trial_while_requests_wait():
 
 def test_a_new_level_starts_from_the_practised_level_with_its_clock_sensitivity():
     levels = (QuantOption("fp32", 0.0, 4), QuantOption("int8", 0.5, 1))
-    params = ControllerParams(quant_dwell_s=5.0, quant_explore_dwell_s=3.0)
+    params = ControllerParams.of(quant_dwell_s=5.0, quant_explore_dwell_s=3.0)
     ctl = make_controller(levels=levels, params=params)
     plant = Plant(compute_share=0.1, level_speed={"fp32": 1.0, "int8": 0.6})
     knobs = ctl.knobs
@@ -823,7 +825,7 @@ class TwoLevelPlant(Plant):
 
 
 def _int8_adopted_when_calm(levels: tuple[QuantOption, ...]) -> tuple[Controller, Plant]:
-    params = ControllerParams(quant_dwell_s=20.0, quant_explore_dwell_s=5.0)
+    params = ControllerParams.of(quant_dwell_s=20.0, quant_explore_dwell_s=5.0)
     ctl = make_controller(levels=levels, params=params)
     plant = TwoLevelPlant(
         compute_share=0.3, decode_rate_tok_s=20.0, prompt_rate_tok_s=20.0, request_rate_s=0.2
@@ -906,7 +908,7 @@ def test_a_trial_step_is_judged_with_the_context_cost_folded_in():
     ctl = trial_controller(TABLE_BF16_THEN_INT8)
     before = ctl.learner.step_model("fp32")
     before.rls.theta = [0.0129, 0.0756, 0.001, 0.0092, -0.002, 0.0233, 0.0134, -0.0073, 0.0, 0.0]
-    before.rls.updates = ctl.params.learning_min_steps
+    before.rls.updates = ctl.params.learning.learning_min_steps
     before.stretch_mean = 1.35
     ctl.quant.state.trial = Trial("bf16", "fp32", stuck=False, started_s=0.0)
     per_decode = 7480 / 45
@@ -983,7 +985,7 @@ def test_a_calm_trial_a_latency_guard_ended_is_tried_again_later():
     decisions = run(ctl, plant, 200)
     again = [d for d in decisions if d.reason_code is Reason.QUANT_EXPLORE]
     assert again and again[0].knobs.quant_level == "int8"
-    assert again[0].at_s - aborted_at >= ctl.params.quant_peak_window_s
+    assert again[0].at_s - aborted_at >= ctl.params.quant.quant_peak_window_s
 
 
 def test_a_trial_slower_only_at_small_batches_does_not_bar_the_table_s_level():
@@ -995,7 +997,7 @@ def test_a_trial_slower_only_at_small_batches_does_not_bar_the_table_s_level():
     decisions = run(ctl, plant, 240)
     ended = [d for d in decisions if "the trial of int8 predicts no gain" in d.reason]
     assert ended, "the trial was expected to end on its prediction"
-    assert ctl.learner.running_peak < ctl.params.quant_table_batch_min
+    assert ctl.learner.running_peak < ctl.params.quant.quant_table_batch_min
     assert "int8" not in ctl.quant.state.slow_here_s
 
 
@@ -1159,7 +1161,7 @@ def test_a_calm_trial_keeps_the_decode_interval_in_force():
     # Pacing is not the level's to decide: a calm trial of a never-run level, and that
     # level's learning, run at the interval in force (unpaced, the cold start gave up
     # most of pacing's saving for the trial's 10 s).
-    params = ControllerParams(
+    params = ControllerParams.of(
         quant_dwell_s=20.0, quant_explore_dwell_s=10.0, quant_start_by_table=False
     )
     ctl = make_controller(
@@ -1197,7 +1199,7 @@ def test_after_the_power_guard_acts_the_board_limit_is_not_taken_on_trust():
     assert ctl.observe(over, stats, plant.t_s).reason_code is Reason.OVER_BUDGET
     assert not ctl.outlook().within_budget(top, 300.0)
     plant.decode_rate_tok_s = plant.prompt_rate_tok_s = 0.0
-    run(ctl, plant, ctl.params.power_hold_max_s + 1.0)
+    run(ctl, plant, ctl.params.power_guard.power_hold_max_s + 1.0)
     assert ctl.outlook().within_budget(top, 300.0)
 
 
@@ -1284,7 +1286,7 @@ def test_nothing_predicted_within_the_budget_does_not_undo_a_latency_guard_s_flo
 def test_controller_params_refuse_values_that_make_no_sense(bad):
     name = next(iter(bad))
     with pytest.raises(ValueError, match=name):
-        ControllerParams(**bad)
+        ControllerParams.of(**bad)
 
 
 def plant_joules_since(plant: Plant, since_s: float) -> float:
@@ -1319,7 +1321,7 @@ def test_decode_pacing_at_a_light_load_saves_energy_within_the_tpot_slo():
 def test_a_tpot_miss_turns_decode_pacing_off_at_once():
     # Twelve times longer steps also swell the running batch towards the engine's cap,
     # whose guard would turn pacing off first: here only the TPOT miss may.
-    no_cap_guard = ControllerParams(guard_cap_share=2.0)
+    no_cap_guard = ControllerParams.of(guard_cap_share=2.0)
     ctl = make_controller(decode_interval_max_ms=1000.0, params=no_cap_guard)
     plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
     run(ctl, plant, 90)
@@ -1337,7 +1339,7 @@ def test_after_a_sudden_slowdown_nothing_moves_on_the_swinging_step_model():
     # it can call the next steps free (0 ms at every clock, on this plant one observation
     # after the slowdown) and the clock search would act on that. The caps, clock and
     # decode interval are held until a guard answers the measured miss.
-    no_cap_guard = ControllerParams(guard_cap_share=2.0)
+    no_cap_guard = ControllerParams.of(guard_cap_share=2.0)
     ctl = make_controller(decode_interval_max_ms=1000.0, params=no_cap_guard)
     plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
     run(ctl, plant, 90)
@@ -1352,7 +1354,7 @@ def test_after_a_sudden_slowdown_nothing_moves_on_the_swinging_step_model():
         assert d.prediction is None or d.prediction.step_s > 0.001, d.reason
     # The steps of the slow plant are what the model now learns from: it settles.
     run(ctl, plant, 60)
-    assert ctl.learner.step_model("fp32").surprise <= ctl.params.surprise_max
+    assert ctl.learner.step_model("fp32").surprise <= ctl.params.learning.surprise_max
 
 
 def test_a_tpot_miss_at_the_top_clock_still_turns_decode_pacing_off():
@@ -1399,7 +1401,7 @@ def _cap_guard_after(running_before: int, running_now: int):
     plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
     run(ctl, plant, 30)
     paced = ctl.knobs.with_changes(sm_clock_mhz=LADDER[10], decode_interval_ms=80.0)
-    ticks = ctl.params.guard_rise_ticks
+    ticks = ctl.params.latency_guard.guard_rise_ticks
     for i in range(ticks + 1):
         ctl.latency_guard.note_queue(0, running_before if i < ticks else running_now, 0.0)
     telemetry, stats = plant.tick(paced)
@@ -1481,7 +1483,8 @@ def test_the_chunk_in_force_is_left_for_no_less_than_the_gain_threshold():
     gain_pct = 100.0 * (1.0 - j[128] / j[256])
     assert gain_pct > 0.2
     for threshold, expect in ((gain_pct + 0.1, 256), (gain_pct - 0.1, 128)):
-        params = dataclasses.replace(outlook.params, chunk_gain_min_pct=threshold)
+        caps = dataclasses.replace(outlook.params.batch_caps, chunk_gain_min_pct=threshold)
+        params = dataclasses.replace(outlook.params, batch_caps=caps)
         ol = dataclasses.replace(outlook, params=params)
         assert ol.chunk_for_energy("fp32", 645, 64, 512, 256, load, 400.0) == expect, threshold
         # From the full chunk the same threshold applies: 128 is taken where it saves it.
@@ -1519,7 +1522,7 @@ def test_no_arrivals_do_not_undo_a_longer_interval_just_chosen():
     assert ctl.pacing.lull(now_s)
     ctl.pacing.state.last_longer_s = now_s - 1.0
     assert not ctl.pacing.lull(now_s)
-    ctl.pacing.state.last_longer_s = now_s - ctl.params.pace_period_s
+    ctl.pacing.state.last_longer_s = now_s - ctl.params.pacing.pace_period_s
     assert ctl.pacing.lull(now_s)
 
 
@@ -1540,13 +1543,13 @@ def test_a_longer_interval_backs_off_after_one_was_shortened_for_the_targets():
 
     t0 = plant.t_s
     ctl.pacing.note_interval_moved(t0)
-    assert longer(t0 + p.pace_period_s - 0.5) is None
-    paced = longer(t0 + p.pace_period_s)
+    assert longer(t0 + p.pacing.pace_period_s - 0.5) is None
+    paced = longer(t0 + p.pacing.pace_period_s)
     assert paced is not None and paced[0] > 0
-    t1 = t0 + 2 * p.pace_period_s
+    t1 = t0 + 2 * p.pacing.pace_period_s
     ctl.pacing.note_interval_moved(t1, shortened_for_targets=True)
-    wait_s = p.pace_period_s + p.pace_backoff_s
-    assert longer(t1 + p.pace_period_s) is None
+    wait_s = p.pacing.pace_period_s + p.pacing.pace_backoff_s
+    assert longer(t1 + p.pacing.pace_period_s) is None
     assert longer(t1 + wait_s - 0.5) is None
     assert longer(t1 + wait_s) is not None
 
@@ -1564,17 +1567,17 @@ def test_the_first_level_learns_at_the_top_clock_then_at_half_of_it():
             break
         clocks.append(d.knobs.sm_clock_mhz)
     assert d.reason_code is not Reason.LEARNING
-    low = ctl.limits.snap(ctl.params.learning_low_clock_fraction * 1980)
+    low = ctl.limits.snap(ctl.params.learning.learning_low_clock_fraction * 1980)
     assert clocks[0] == 1980 and clocks[-1] == low and 900 <= low <= 1000
     assert clocks == sorted(clocks, reverse=True)
     model = ctl.learner.step_model("fp32")
-    assert model.seen_clocks(ctl.params.trust_min_samples) == [low, 1980]
+    assert model.seen_clocks(ctl.params.learning.trust_min_samples) == [low, 1980]
 
 
 def test_a_running_batch_near_the_engine_cap_turns_decode_pacing_off():
     # Paced at a light load; then the running batch climbs slowly to 3/4 of the cap (too
     # slowly for the burst guard): an interval would hold every slot longer, so it goes.
-    slow_rise = ControllerParams(guard_rise_factor=100.0)
+    slow_rise = ControllerParams.of(guard_rise_factor=100.0)
     ctl = make_controller(decode_interval_max_ms=1000.0, params=slow_rise)
     plant = Plant(compute_share=0.1, decode_rate_tok_s=60.0, prompt_rate_tok_s=60.0)
     run(ctl, plant, 90)
@@ -1589,7 +1592,7 @@ def test_a_running_batch_near_the_engine_cap_turns_decode_pacing_off():
 def test_the_cold_start_learns_the_level_the_table_ranks_first():
     # bench quant's table ranks bf16 first: the controller moves there before it has
     # learned anything, and does not spend the cold start (or a trial) on fp32.
-    params = ControllerParams(quant_dwell_s=20.0, quant_explore_dwell_s=10.0)
+    params = ControllerParams.of(quant_dwell_s=20.0, quant_explore_dwell_s=10.0)
     ctl = make_controller(levels=TABLE_BF16_THEN_INT8, params=params)
     decisions = run(ctl, calm_plant({"fp32": 1.0, "bf16": 0.6, "int8": 0.8}), 60)
     assert decisions[0].reason_code is Reason.QUANT_SWITCH
@@ -1606,7 +1609,7 @@ def test_a_start_level_a_wrong_table_ranked_first_is_left_for_the_level_loaded()
     # A table from another machine ranks int8 twice as fast as fp32; here int8's steps take
     # four times fp32's. The cold start goes to int8, and the calm trial of fp32 (a
     # never-run level like any other) finds fp32 better and keeps it.
-    params = ControllerParams(quant_dwell_s=20.0, quant_explore_dwell_s=10.0)
+    params = ControllerParams.of(quant_dwell_s=20.0, quant_explore_dwell_s=10.0)
     ctl = make_controller(levels=TABLE_INT8_TWICE_AS_FAST, params=params)
     decisions = run(ctl, calm_plant({"fp32": 1.0, "int8": 4.0}), 120)
     assert decisions[0].knobs.quant_level == "int8"

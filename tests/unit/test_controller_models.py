@@ -570,3 +570,20 @@ def test_a_smaller_chunk_is_predicted_cheaper_only_where_a_step_grows_faster_tha
 
     assert j(model(0.01), 128) < 0.99 * j(model(0.01), 512)
     assert j(model(0.0), 128) >= j(model(0.0), 512)
+
+
+def test_controller_params_route_flat_settings_to_their_groups():
+    from wattserve.controller.params import ControllerParams
+
+    params = ControllerParams.of(quant_dwell_s=5.0, slo_margin=0.8, stale_hold_s=1.0)
+    assert params.quant.quant_dwell_s == 5.0
+    assert params.targets.slo_margin == 0.8
+    assert params.fallback.stale_hold_s == 1.0
+    assert params.clock.clock_min_interval_s == ControllerParams().clock.clock_min_interval_s
+    flat = params.flat()
+    assert len(flat) == 72 and flat["quant_dwell_s"] == 5.0
+    assert ControllerParams.of(**flat) == params
+    with pytest.raises(TypeError, match="no_such_setting"):
+        ControllerParams.of(no_such_setting=1.0)
+    with pytest.raises(ValueError, match="slo_margin"):
+        ControllerParams.of(slo_margin=1.5)

@@ -48,7 +48,7 @@ def _settled(params: ControllerParams | None = None) -> tuple[Controller, Plant]
     plant = Plant(compute_share=0.5, decode_rate_tok_s=120.0)
     run(ctl, plant, 100)
     assert ctl.state is ControllerState.TRACKING
-    assert ctl.learner.step_model("fp32").samples >= ctl.params.descend_evidence_steps
+    assert ctl.learner.step_model("fp32").samples >= ctl.params.clock.descend_evidence_steps
     return ctl, plant
 
 
@@ -79,7 +79,7 @@ def _measured(ctl: Controller, plant: Plant, factor: float, n: int) -> None:
 
 
 def test_a_model_that_under_predicts_grows_the_margin_and_holds_a_higher_clock():
-    ctl, plant = _settled(ControllerParams(margin_settle_s=0.0))
+    ctl, plant = _settled(ControllerParams.of(margin_settle_s=0.0))
     clock = ctl.knobs.sm_clock_mhz
     assert ctl.learner.error_factor("tpot", "fp32", clock, plant.t_s) == 1.0
     _measured(ctl, plant, 1.9, 12)
@@ -90,7 +90,7 @@ def test_a_model_that_under_predicts_grows_the_margin_and_holds_a_higher_clock()
     w = ctl.learner.workload.current()
     k = ctl.knobs
     pr = o.predict("fp32", clock, k.max_num_seqs, k.max_num_batched_tokens, w, 45.0)
-    assert pr.tpot_ms <= ctl.policy.tpot_slo_ms * ctl.params.slo_margin  # alone it passes
+    assert pr.tpot_ms <= ctl.policy.tpot_slo_ms * ctl.params.targets.slo_margin  # alone it passes
     assert not o.feasible(pr, 400.0)
     # ... and the controller moves to a higher clock and stays there.
     decisions = run(ctl, plant, 20)
@@ -105,7 +105,7 @@ def test_with_accurate_predictions_the_margin_stays_at_one_and_saves_as_much():
     for kind in ("ttft", "tpot"):
         assert ctl.learner.error_factor(kind, "fp32", k.sm_clock_mhz, now) == 1.0
     # The same run without an adaptive margin (margin_max 1) chooses the same clocks.
-    off, off_plant = _settled(ControllerParams(margin_max=1.0))
+    off, off_plant = _settled(ControllerParams.of(margin_max=1.0))
     assert off.knobs.sm_clock_mhz == k.sm_clock_mhz
     assert off_plant.powers[-40:] == plant.powers[-40:]
 
@@ -144,7 +144,7 @@ def test_a_descent_whose_measured_latency_nears_the_slo_is_reverted_before_a_mis
     assert d.reason_code is Reason.DESCENT_REVERTED
     assert d.knobs.sm_clock_mhz == before
     # That clock is a floor for descent_bar_s: the optimizer may not go back below it ...
-    decisions = run(ctl, plant, ctl.params.descent_bar_s - 5.0)
+    decisions = run(ctl, plant, ctl.params.latency_guard.descent_bar_s - 5.0)
     assert min(x.knobs.sm_clock_mhz for x in decisions) >= before
     assert ctl.latency_guard.floor(plant.t_s) == before
     # ... and then the bar lifts.
@@ -159,7 +159,7 @@ def test_a_descent_whose_latencies_stay_clear_of_the_slo_earns_its_way():
     stats = dataclasses.replace(stats, ttft_s=(0.2, 0.5 * ctl.policy.ttft_slo_ms / 1000.0))
     d = ctl.observe(telemetry, stats, plant.t_s)
     assert d.reason_code is not Reason.DESCENT_REVERTED
-    decisions = run(ctl, plant, ctl.params.descent_watch_s + 1.0)
+    decisions = run(ctl, plant, ctl.params.latency_guard.descent_watch_s + 1.0)
     assert ctl.counters.decisions[Reason.DESCENT_REVERTED.value] == 0
     assert max(x.knobs.sm_clock_mhz for x in decisions) <= after  # kept, or lower still
     assert ctl.latency_guard.floor(plant.t_s) is None
@@ -186,5 +186,5 @@ def test_a_longer_decode_interval_whose_tpot_nears_the_slo_is_reverted_and_barre
     assert d.reason_code is Reason.DESCENT_REVERTED
     assert d.knobs.decode_interval_ms == before < longer
     # No interval longer than the one restored while the bar holds.
-    decisions = run(ctl, plant, ctl.params.descent_bar_s - 5.0)
+    decisions = run(ctl, plant, ctl.params.latency_guard.descent_bar_s - 5.0)
     assert max(x.knobs.decode_interval_ms for x in decisions) <= before

@@ -48,7 +48,7 @@ class BatchCaps(Part):
         """The caps, every batch_period_s: the knobs with them, and a note if they changed.
         probing: a quantization trial's probe holds a small chunk (left as it is)."""
         now_s = outlook.now_s
-        if now_s - self.state.last_update_s < self.params.batch_period_s:
+        if now_s - self.state.last_update_s < self.params.batch_caps.batch_period_s:
             return knobs, None
         self.state.last_update_s = now_s
         seqs, tokens = self.choose(
@@ -81,27 +81,11 @@ class BatchCaps(Part):
         chunk may: holding it too measured no better, see the control log); the chunk does
         not grow where only the clock holds the budget (a bigger chunk draws more power at
         the same clock)."""
-        p = self.params
         e = self.limits.engine
-        now_s = outlook.now_s
         # At the top clock: a guard can raise the clock to serve a burst, so the caps must
         # not shrink just because the optimizer (or the budget) holds a low clock now.
         ctx = workload.mean_context_tokens
-        co = self.learner.step_model(level).coefficients(self.limits.top_mhz, ctx)
-        slo_s = outlook.policy.tpot_slo_ms / 1000.0
-        seqs = 1
-        for n in range(1, e.max_num_seqs_max + 1):
-            if co.step_s(0, n, n * ctx) > slo_s:
-                break
-            seqs = n
-        # Measured steps overrule the model: a decode batch this level has run within the
-        # TPOT SLO (at the clock it ran, so no faster than at the top clock) is within it.
-        ran = [
-            st.decode_tokens
-            for st in self.learner.recent_steps
-            if st.quant_level == level and st.duration_s <= slo_s
-        ]
-        seqs = max(seqs, max(ran, default=1))
+        seqs = self._seqs_within_tpot(level, ctx, outlook.policy.tpot_slo_ms / 1000.0)
         # Never below twice the batch the load needs at the clock in force (a cap under it
         # queues requests for nothing).
         here = outlook.predict(
@@ -133,6 +117,43 @@ class BatchCaps(Part):
             outlook.predict(level, clock, seqs, tokens, workload, None), budget_w
         ):
             seqs = knobs.max_num_seqs  # a smaller batch cap must be predicted to meet targets
+        tokens = self._held_chunk(tokens, knobs, outlook, budget_w, guard_holds, probing=probing)
+        return seqs, tokens
+
+    def _seqs_within_tpot(self, level: str, ctx: float, slo_s: float) -> int:
+        """The most sequences whose decode step meets the TPOT SLO by the model's mean at
+        the top clock, or the largest decode batch this level has run within it."""
+        e = self.limits.engine
+        co = self.learner.step_model(level).coefficients(self.limits.top_mhz, ctx)
+        seqs = 1
+        for n in range(1, e.max_num_seqs_max + 1):
+            if co.step_s(0, n, n * ctx) > slo_s:
+                break
+            seqs = n
+        # Measured steps overrule the model: a decode batch this level has run within the
+        # TPOT SLO (at the clock it ran, so no faster than at the top clock) is within it.
+        ran = [
+            st.decode_tokens
+            for st in self.learner.recent_steps
+            if st.quant_level == level and st.duration_s <= slo_s
+        ]
+        return max(seqs, max(ran, default=1))
+
+    def _held_chunk(
+        self,
+        tokens: int,
+        knobs: Knobs,
+        outlook: Outlook,
+        budget_w: float,
+        guard_holds: bool,
+        *,
+        probing: bool,
+    ) -> int:
+        """The chunk chosen, held where it may not move now: no shrinking while a guard
+        holds or unproven (and one halving at a time), no growth where only the clock holds
+        the budget, none during a probe, one change per chunk_period_s."""
+        p = self.params
+        now_s = outlook.now_s
         if tokens < knobs.max_num_batched_tokens:
             if guard_holds or not self.clock.ttft_seen(outlook.policy):
                 tokens = knobs.max_num_batched_tokens  # not while a guard holds, nor unproven
@@ -149,8 +170,8 @@ class BatchCaps(Part):
             # The bound moves with the estimated decode batch, whose noise must not flip
             # the chunk every period: one change per chunk_period_s (a clock raise or a
             # guard takes the bigger chunk at once, elsewhere).
-            if now_s - self.state.last_chunk_change_s < p.chunk_period_s:
+            if now_s - self.state.last_chunk_change_s < p.batch_caps.chunk_period_s:
                 tokens = knobs.max_num_batched_tokens
             else:
                 self.state.last_chunk_change_s = now_s
-        return seqs, tokens
+        return tokens

@@ -20,6 +20,7 @@ from wattserve.controller.models import (
 )
 from wattserve.controller.outlook import Outlook
 from wattserve.controller.pacing import DecodePacing
+from wattserve.controller.params import ControllerParams
 from wattserve.controller.policy import ControlMode, Knobs, Policy, allowed_quant_levels
 from wattserve.controller.power_guard import PowerGuard
 from wattserve.controller.quant import QuantTimescale
@@ -32,7 +33,6 @@ from wattserve.controller.signals import (
 from wattserve.controller.state import (
     Choice,
     ControllerCounters,
-    ControllerParams,
     ControllerState,
     Decision,
     Reason,
@@ -132,8 +132,8 @@ class Controller:
             self.params,
             self.limits,
             self.learner,
-            self.power_guard,
-            self.latency_guard,
+            self.power_guard.state,
+            self.latency_guard.state,
             self._policy,
             self._now_s if now_s is None else now_s,
             self._knobs.decode_interval_ms,
@@ -198,7 +198,7 @@ class Controller:
             "models": {
                 level: {
                     "step_samples": m.samples,
-                    "seen_clocks_mhz": m.seen_clocks(self.params.trust_min_samples),
+                    "seen_clocks_mhz": m.seen_clocks(self.params.learning.trust_min_samples),
                 }
                 for level, m in self.learner.step_models.items()
             },
@@ -273,54 +273,18 @@ class Controller:
         self, telemetry: Telemetry | None, stats: EngineStats, now_s: float, budget_w: float
     ) -> Choice:
         p = self.params
-        policy = self._policy
         current = self._current_knobs(telemetry, stats)
         # 1. Stale or missing telemetry: hold the last safe configuration, then fall back.
         if telemetry is None or not telemetry.usable:
-            if self._stale_since_s is None:
-                self._stale_since_s = now_s
-            stale_for = now_s - self._stale_since_s
-            if stale_for < p.stale_hold_s:
-                return Choice(
-                    ControllerState.HOLD,
-                    self._last_safe,
-                    Reason.STALE_HOLD,
-                    f"telemetry {'missing' if telemetry is None else 'stale'} for "
-                    f"{stale_for:.1f} s: holding the last safe configuration",
-                )
-            return Choice(
-                ControllerState.FALLBACK,
-                self._fallback_knobs(current, budget_w),
-                Reason.STALE_FALLBACK,
-                f"telemetry stale for {stale_for:.1f} s (> {p.stale_hold_s:g} s): "
-                "conservative fallback configuration",
-            )
+            return self._stale(telemetry, current, now_s, budget_w)
         self._stale_since_s = None
         outlook = self.outlook()
         power_w = telemetry.power_w or 0.0
         power_limit = self.limits.power_limit_for(budget_w)
 
         # 2. Manual: the operator's knobs, with only the power and thermal guards.
-        if policy.mode == ControlMode.MANUAL:
-            manual = (self._manual_knobs or current).with_changes(power_limit_w=power_limit)
-            guarded = self.power_guard.check(telemetry, manual, now_s, budget_w, power_w)
-            if guarded is not None:
-                self.latency_guard.release_floor()  # power wins over latency
-                return guarded
-            ceiling = self.power_guard.active_ceiling(
-                outlook, power_w, budget_w, telemetry.gpu_temp_c
-            )
-            if (
-                ceiling is not None
-                and (manual.sm_clock_mhz or self.device.sm_clock_max_mhz) > ceiling
-            ):
-                manual = manual.with_changes(sm_clock_mhz=ceiling)
-            return Choice(
-                ControllerState.MANUAL,
-                manual,
-                Reason.MANUAL,
-                "manual knobs (power and thermal guarded)",
-            )
+        if self._policy.mode == ControlMode.MANUAL:
+            return self._manual(telemetry, current, outlook, now_s, budget_w, power_w, power_limit)
 
         # 3. Over budget: step down at once, whatever the model says.
         base = current.with_changes(power_limit_w=power_limit)
@@ -339,7 +303,8 @@ class Controller:
                 base.with_changes(quant_level=target),
                 Reason.QUANT_FORBIDDEN,
                 f"quantization level {level} is not allowed by the policy "
-                f"(max_ppl_increase_pct {policy.max_ppl_increase_pct}): switching to {target}",
+                f"(max_ppl_increase_pct {self._policy.max_ppl_increase_pct}): "
+                f"switching to {target}",
             )
 
         # Before anything is learned: the level bench quant's table ranks first.
@@ -358,33 +323,9 @@ class Controller:
             telemetry, stats, base, outlook, ceiling, budget_w, workload
         )
         if latency is not None:
-            # A calm trial that hurts latency ends at once; a trial begun because the
-            # previous level could not cope is not its fault, and goes on, as does one
-            # whose steps have vouched for it: then the clock is what is short, the guard
-            # raises it, and ending the trial would throw it away for a queue it did not
-            # cause.
-            ended = self.quant.end_calm_trial(now_s)
-            if ended is not None:
-                tried, before = ended
-                latency.knobs = latency.knobs.with_changes(quant_level=before)
-                latency.reason += f"; trial of {tried} aborted, back to {before}"
-                return latency
-            # Guards firing count as the level not coping; after quant_stuck_s of that,
-            # the quantization step may escape to a level with more headroom.
-            if self.quant.not_coping(now_s):
-                escape = self.quant.step(
-                    base,
-                    allowed,
-                    workload,
-                    telemetry.gpu_temp_c,
-                    outlook,
-                    budget_w,
-                    ceiling,
-                    self.clock.steady_s(now_s),
-                )
-                if escape is not None:
-                    return escape
-            return latency
+            return self._answer_latency(
+                latency, base, allowed, workload, telemetry, outlook, budget_w, ceiling
+            )
 
         step_model = self.learner.step_model(level)
         power_model = self.learner.power
@@ -395,46 +336,146 @@ class Controller:
             self._idle_since_s = None
         elif self._idle_since_s is None:
             self._idle_since_s = now_s
-        if idle_now and now_s - self._idle_since_s >= p.idle_after_s:
+        if idle_now and now_s - self._idle_since_s >= p.fallback.idle_after_s:
             return self.clock.idle(base, step_model, workload, outlook, ceiling)
 
         # 6. Learning: too little data to trust the models; the highest clock the budget allows.
         learning = (
-            step_model.samples < p.learning_min_steps
-            or power_model.samples < p.learning_min_power_samples
+            step_model.samples < p.learning.learning_min_steps
+            or power_model.samples < p.learning.learning_min_power_samples
         )
         if learning:
-            top = ceiling if ceiling is not None else self.device.sm_clock_max_mhz
-            # The first level learns at the top clock, unpaced (nothing is known yet), the
-            # second half of its steps at learning_low_clock_fraction of it: its model has
-            # then seen two clocks before the first descent (its clock sensitivity starts
-            # at nothing, and a descent on the top clock's steps alone took fp32 to a
-            # clock where it could not keep up). A level tried later learns where the
-            # controller already runs, at its clock and decode interval: its model starts
-            # from the other level's clock sensitivity, and the guards stay armed.
-            trained = any(
-                m.samples >= p.learning_min_steps
-                for lv, m in self.learner.step_models.items()
-                if lv != level
-            )
-            interval_ms = 0.0
-            if not trained and step_model.samples >= p.learning_min_steps // 2:
-                top = self.limits.snap(p.learning_low_clock_fraction * top)
-            if trained and power_model.samples >= p.learning_min_power_samples:
-                top = min(top, base.sm_clock_mhz or top)
-                interval_ms = base.decode_interval_ms
-            knobs = base.with_changes(sm_clock_mhz=top, decode_interval_ms=interval_ms)
-            return Choice(
-                ControllerState.LEARNING,
-                knobs,
-                Reason.LEARNING,
-                f"learning {level}: {step_model.samples}/{p.learning_min_steps} steps, "
-                f"{power_model.samples}/{p.learning_min_power_samples} power samples; "
-                f"clock {top} MHz",
-            )
+            return self._learning(base, level, ceiling)
 
         # 7. Tracking: least predicted J/token meeting the SLOs, on three timescales.
         return self._track(base, allowed, workload, telemetry, outlook, budget_w, ceiling)
+
+    def _stale(
+        self, telemetry: Telemetry | None, current: Knobs, now_s: float, budget_w: float
+    ) -> Choice:
+        """Stale or missing telemetry: hold the last safe configuration for stale_hold_s,
+        then the conservative fallback."""
+        p = self.params
+        if self._stale_since_s is None:
+            self._stale_since_s = now_s
+        stale_for = now_s - self._stale_since_s
+        if stale_for < p.fallback.stale_hold_s:
+            return Choice(
+                ControllerState.HOLD,
+                self._last_safe,
+                Reason.STALE_HOLD,
+                f"telemetry {'missing' if telemetry is None else 'stale'} for "
+                f"{stale_for:.1f} s: holding the last safe configuration",
+            )
+        return Choice(
+            ControllerState.FALLBACK,
+            self._fallback_knobs(current, budget_w),
+            Reason.STALE_FALLBACK,
+            f"telemetry stale for {stale_for:.1f} s (> {p.fallback.stale_hold_s:g} s): "
+            "conservative fallback configuration",
+        )
+
+    def _manual(
+        self,
+        telemetry: Telemetry,
+        current: Knobs,
+        outlook: Outlook,
+        now_s: float,
+        budget_w: float,
+        power_w: float,
+        power_limit: float | None,
+    ) -> Choice:
+        """The operator's knobs, with only the power and thermal guards."""
+        manual = (self._manual_knobs or current).with_changes(power_limit_w=power_limit)
+        guarded = self.power_guard.check(telemetry, manual, now_s, budget_w, power_w)
+        if guarded is not None:
+            self.latency_guard.release_floor()  # power wins over latency
+            return guarded
+        ceiling = self.power_guard.active_ceiling(outlook, power_w, budget_w, telemetry.gpu_temp_c)
+        if ceiling is not None and (manual.sm_clock_mhz or self.device.sm_clock_max_mhz) > ceiling:
+            manual = manual.with_changes(sm_clock_mhz=ceiling)
+        return Choice(
+            ControllerState.MANUAL,
+            manual,
+            Reason.MANUAL,
+            "manual knobs (power and thermal guarded)",
+        )
+
+    def _answer_latency(
+        self,
+        latency: Choice,
+        base: Knobs,
+        allowed: tuple[str, ...],
+        workload: Workload,
+        telemetry: Telemetry,
+        outlook: Outlook,
+        budget_w: float,
+        ceiling: int | None,
+    ) -> Choice:
+        """The latency guard fired: its step up, unless a calm quantization trial is to
+        blame (it ends) or the level has not coped for quant_stuck_s (an escape)."""
+        now_s = outlook.now_s
+        # A calm trial that hurts latency ends at once; a trial begun because the
+        # previous level could not cope is not its fault, and goes on, as does one
+        # whose steps have vouched for it: then the clock is what is short, the guard
+        # raises it, and ending the trial would throw it away for a queue it did not
+        # cause.
+        ended = self.quant.end_calm_trial(now_s)
+        if ended is not None:
+            tried, before = ended
+            latency.knobs = latency.knobs.with_changes(quant_level=before)
+            latency.reason += f"; trial of {tried} aborted, back to {before}"
+            return latency
+        # Guards firing count as the level not coping; after quant_stuck_s of that,
+        # the quantization step may escape to a level with more headroom.
+        if self.quant.not_coping(now_s):
+            escape = self.quant.step(
+                base,
+                allowed,
+                workload,
+                telemetry.gpu_temp_c,
+                outlook,
+                budget_w,
+                ceiling,
+                self.clock.steady_s(now_s),
+            )
+            if escape is not None:
+                return escape
+        return latency
+
+    def _learning(self, base: Knobs, level: str, ceiling: int | None) -> Choice:
+        """Too little data to trust the models: the highest clock the budget allows."""
+        p = self.params
+        step_model = self.learner.step_model(level)
+        power_model = self.learner.power
+        top = ceiling if ceiling is not None else self.device.sm_clock_max_mhz
+        # The first level learns at the top clock, unpaced (nothing is known yet), the
+        # second half of its steps at learning_low_clock_fraction of it: its model has
+        # then seen two clocks before the first descent (its clock sensitivity starts
+        # at nothing, and a descent on the top clock's steps alone took fp32 to a
+        # clock where it could not keep up). A level tried later learns where the
+        # controller already runs, at its clock and decode interval: its model starts
+        # from the other level's clock sensitivity, and the guards stay armed.
+        trained = any(
+            m.samples >= p.learning.learning_min_steps
+            for lv, m in self.learner.step_models.items()
+            if lv != level
+        )
+        interval_ms = 0.0
+        if not trained and step_model.samples >= p.learning.learning_min_steps // 2:
+            top = self.limits.snap(p.learning.learning_low_clock_fraction * top)
+        if trained and power_model.samples >= p.learning.learning_min_power_samples:
+            top = min(top, base.sm_clock_mhz or top)
+            interval_ms = base.decode_interval_ms
+        knobs = base.with_changes(sm_clock_mhz=top, decode_interval_ms=interval_ms)
+        return Choice(
+            ControllerState.LEARNING,
+            knobs,
+            Reason.LEARNING,
+            f"learning {level}: {step_model.samples}/{p.learning.learning_min_steps} steps, "
+            f"{power_model.samples}/{p.learning.learning_min_power_samples} power samples; "
+            f"clock {top} MHz",
+        )
 
     def _current_knobs(self, telemetry: Telemetry | None, stats: EngineStats) -> Knobs:
         if self._policy.mode != ControlMode.OBSERVE:
@@ -456,8 +497,8 @@ class Controller:
     def _fallback_knobs(self, current: Knobs, budget_w: float) -> Knobs:
         p = self.params
         ladder = self.device.sm_clock_ladder_mhz
-        clock = p.fallback_sm_clock_mhz or ladder[len(ladder) // 2]
-        seqs = p.fallback_max_num_seqs or max(1, self.engine.max_num_seqs_max // 2)
+        clock = p.fallback.fallback_sm_clock_mhz or ladder[len(ladder) // 2]
+        seqs = p.fallback.fallback_max_num_seqs or max(1, self.engine.max_num_seqs_max // 2)
         return current.with_changes(
             sm_clock_mhz=clock,
             max_num_seqs=min(seqs, current.max_num_seqs),
@@ -490,7 +531,7 @@ class Controller:
         if switched is not None:
             return switched
         surprise = self.learner.step_model(level).surprise
-        if surprise > self.params.surprise_max:
+        if surprise > self.params.learning.surprise_max:
             # The engine slowed down suddenly: while the model's fit swings towards the new
             # costs, its predictions may call steps free, so nothing moves on them.
             return Choice(

@@ -20,8 +20,8 @@ from wattserve.controller.models import (
     StepTimeModel,
     WorkloadEstimator,
 )
+from wattserve.controller.params import ControllerParams
 from wattserve.controller.signals import EngineStats, StepRecord, Telemetry
-from wattserve.controller.state import ControllerParams
 
 # The percentile of measured-over-modelled prefill power the peak prediction uses (a few
 # 100 ms readings per second: p90 of the last hundred, not their maximum).
@@ -58,10 +58,10 @@ class Learner:
         self.ttft_error = QuantileRatio(default=1.0, window=400, max_age_s=300.0)
         self.tpot_error = QuantileRatio(default=1.0, window=400, max_age_s=300.0)
         self.workload = WorkloadEstimator(
-            params.workload_tau_s,
-            surge_window_s=params.surge_window_s,
-            surge_alpha=params.surge_alpha,
-            surge_min_ratio=params.surge_min_ratio,
+            params.workload.workload_tau_s,
+            surge_window_s=params.workload.surge_window_s,
+            surge_alpha=params.workload.surge_alpha,
+            surge_min_ratio=params.workload.surge_min_ratio,
         )
         self.recent_steps: deque[StepRecord] = deque(maxlen=512)
         # The model's mean predictions in force, smoothed over about a request's life.
@@ -102,7 +102,7 @@ class Learner:
     def trained(self, level: str) -> bool:
         """The level has a model with learning_min_steps steps."""
         model = self.step_models.get(level)
-        return model is not None and model.samples >= self.params.learning_min_steps
+        return model is not None and model.samples >= self.params.learning.learning_min_steps
 
     @property
     def running_peak(self) -> int:
@@ -120,10 +120,10 @@ class Learner:
         (pooled where that clock has too few), within [1, margin_max]; 1 (the fixed
         slo_margin alone) while too few have been measured anywhere."""
         window = self.ttft_error if kind == "ttft" else self.tpot_error
-        q = window.conformal(now_s, self.params.margin_alpha, (level, clock_mhz))
+        q = window.conformal(now_s, self.params.adaptive_margin.margin_alpha, (level, clock_mhz))
         if q is None:
             return 1.0
-        return min(self.params.margin_max, max(1.0, q))
+        return min(self.params.adaptive_margin.margin_max, max(1.0, q))
 
     def prefill_lately(self, steps: int) -> bool:
         """Whether any of the last `steps` steps had prefill."""
@@ -162,6 +162,21 @@ class Learner:
             stats.steps,
             paced=paced,
         )
+        self._learn_latencies(stats, now_s, tracking)
+        self.waiting_now = stats.num_waiting
+        self.running_now = stats.num_running
+        peaks = self.running_peaks
+        while peaks and peaks[-1][1] <= stats.num_running:
+            peaks.pop()
+        peaks.append((now_s, stats.num_running))
+        while peaks and now_s - peaks[0][0] > self.params.quant.quant_peak_window_s:
+            peaks.popleft()
+        if usable:
+            assert telemetry is not None
+            self._learn_telemetry(telemetry, stats, now_s, clock_now, since_clock_change_s)
+
+    def _learn_latencies(self, stats: EngineStats, now_s: float, tracking: bool) -> None:
+        """The measured TTFTs and TPOTs: the percentile ratios and the adaptive margin."""
         # A request's latency spans seconds of operation, so it is compared with the model's
         # recent mean prediction (smoothed over about a request's life), and only while the
         # controller is tracking at one quantization level (not through learning or trials).
@@ -187,7 +202,8 @@ class Learner:
         # errors are its youth's, which the clock step's young-model rules cover.
         practised = (
             self.pred_key is not None
-            and self.step_model(self.pred_key[0]).samples >= self.params.descend_evidence_steps
+            and self.step_model(self.pred_key[0]).samples
+            >= self.params.clock.descend_evidence_steps
         )
         if practised and fresh and calm:
             for x in stats.ttft_s:
@@ -195,41 +211,41 @@ class Learner:
                     self.ttft_error.add(
                         now_s, x * 1000.0, self.pred_ttft_pct_ms.value or 0.0, self.pred_key
                     )
-            if now_s - self.pred_since_s >= self.params.margin_settle_s:
+            if now_s - self.pred_since_s >= self.params.adaptive_margin.margin_settle_s:
                 for x in stats.tpot_s:
                     self.tpot_error.add(
                         now_s, x * 1000.0, self.pred_tpot_pct_ms.value or 0.0, self.pred_key
                     )
-        self.waiting_now = stats.num_waiting
-        self.running_now = stats.num_running
-        peaks = self.running_peaks
-        while peaks and peaks[-1][1] <= stats.num_running:
-            peaks.pop()
-        peaks.append((now_s, stats.num_running))
-        while peaks and now_s - peaks[0][0] > self.params.quant_peak_window_s:
-            peaks.popleft()
-        if usable:
-            assert telemetry is not None
-            slowdown = telemetry.hw_slowdown or telemetry.thermal_throttle
-            if slowdown and not self.slowdown_active:
-                # The latency seen under a hardware slowdown says little about the clock
-                # commanded: trust the models less so they re-learn quickly, and forget
-                # the percentile ratios measured before.
-                for m in self.step_models.values():
-                    m.rls.inflate(10.0)
-                self.ttft_ratio.clear()
-                self.tpot_ratio.clear()
-                self.ttft_error.clear()
-                self.tpot_error.clear()
-            self.slowdown_active = slowdown
-            self._learn_power(telemetry, clock_now)
-            # How far short-window readings with prefill run above the model's prefill
-            # phase (prefill chunks differ in intensity): calibrates the peak prediction.
-            recent = [s for s in stats.steps if s.has_prefill]
-            settled = since_clock_change_s >= CLOCK_SETTLED_S
-            if recent and settled and telemetry.power_w is not None and clock_now:
-                model_peak = self.power.predict_w(clock_now, 0.0, 1.0, telemetry.gpu_temp_c)
-                self.peak_ratio.add(now_s, telemetry.power_w, model_peak)
+
+    def _learn_telemetry(
+        self,
+        telemetry: Telemetry,
+        stats: EngineStats,
+        now_s: float,
+        clock_now: int | None,
+        since_clock_change_s: float,
+    ) -> None:
+        """A usable power reading: the hardware slowdown, the power model, the peak ratio."""
+        slowdown = telemetry.hw_slowdown or telemetry.thermal_throttle
+        if slowdown and not self.slowdown_active:
+            # The latency seen under a hardware slowdown says little about the clock
+            # commanded: trust the models less so they re-learn quickly, and forget
+            # the percentile ratios measured before.
+            for m in self.step_models.values():
+                m.rls.inflate(10.0)
+            self.ttft_ratio.clear()
+            self.tpot_ratio.clear()
+            self.ttft_error.clear()
+            self.tpot_error.clear()
+        self.slowdown_active = slowdown
+        self._learn_power(telemetry, clock_now)
+        # How far short-window readings with prefill run above the model's prefill
+        # phase (prefill chunks differ in intensity): calibrates the peak prediction.
+        recent = [s for s in stats.steps if s.has_prefill]
+        settled = since_clock_change_s >= CLOCK_SETTLED_S
+        if recent and settled and telemetry.power_w is not None and clock_now:
+            model_peak = self.power.predict_w(clock_now, 0.0, 1.0, telemetry.gpu_temp_c)
+            self.peak_ratio.add(now_s, telemetry.power_w, model_peak)
 
     def _learn_power(self, telemetry: Telemetry, idle_clock: int | None) -> None:
         if telemetry.power_avg_w is None or idle_clock is None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import bisect
 
+from wattserve.controller.params import ControllerParams
 from wattserve.controller.policy import Knobs
 from wattserve.controller.signals import DeviceConstraints, EngineConstraints
-from wattserve.controller.state import ControllerParams
 
 
 def candidate_clocks(ladder: tuple[int, ...], count: int) -> tuple[int, ...]:
@@ -31,7 +31,9 @@ class Limits:
         self.engine = engine
         self.params = params
         # The clocks the controller chooses among (a subset of the device's ladder).
-        self.clocks_mhz = candidate_clocks(device.sm_clock_ladder_mhz, params.clock_candidates)
+        self.clocks_mhz = candidate_clocks(
+            device.sm_clock_ladder_mhz, params.clock.clock_candidates
+        )
 
     @property
     def top_mhz(self) -> int:
@@ -54,14 +56,14 @@ class Limits:
         d = self.device
         return d.can_set_power_limit and (
             d.power_limit_min_w is None
-            or budget_w * self.params.power_limit_margin >= d.power_limit_min_w
+            or budget_w * self.params.targets.power_limit_margin >= d.power_limit_min_w
         )
 
     def power_limit_for(self, budget_w: float) -> float | None:
         """The board power limit that goes with a budget (None: the device sets none)."""
         if not self.device.can_set_power_limit:
             return None
-        return self.clamp_power(budget_w * self.params.power_limit_margin)
+        return self.clamp_power(budget_w * self.params.targets.power_limit_margin)
 
     def clamp_power(self, watts: float) -> float:
         d = self.device

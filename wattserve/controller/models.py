@@ -786,81 +786,28 @@ def predict(
     """
     w = workload
     co = step_model.coefficients(clock_mhz, w.mean_context_tokens)
-    per_decode = co.per_decode_token_s + co.per_context_token_s * w.mean_context_tokens
-    # The squared prefill cost, on the prompts' chunks at the full token cap.
-    square_s = co.per_prefill_token_sq_s * w.request_rate_per_s
-    square_s *= w.chunking(max_num_batched_tokens).tokens_sq
-    u = co.per_prefill_token_s * w.prompt_tokens_per_s + per_decode * w.output_tokens_per_s
-    u += square_s
-    stable = u < 0.95
-    t_loaded = co.base_s / max(1.0 - u, 0.05)
-    # With less than one request decoding per step, a step still decodes one token.
-    t_single = (co.base_s + per_decode) / max(
-        1.0 - co.per_prefill_token_s * w.prompt_tokens_per_s - square_s, 0.05
-    )
-    t = (
-        t_loaded
-        if w.output_tokens_per_s * t_loaded >= 1.0
-        else max(t_loaded, min(t_single, t_loaded * 2))
-    )
+    t, stable = _unpaced_step_s(co, w, max_num_batched_tokens)
     paced = decode_interval_s > t and not w.is_idle
     period = t  # the mean time between a request's tokens
-    ctx = w.mean_context_tokens
     if paced:
-        # Steps with prefill (each arriving prompt's chunks) run as they come; decode-only
-        # steps fill the rest of the time, one per interval (or per step, if longer). A
-        # running request gets a token from each, so the mean gap between its tokens is
-        # 1 / (steps per second), and the decode batch that gap holds (output rate x gap)
-        # sets every step's length: a fixed point, found in a few rounds.
-        # Where the prompts' chunks leave no time free (a small token cap: every step
-        # carries prefill), the decode batch rides on them alone; the engine keeps up if
-        # they fit the time at the batch their own gap holds.
-        period = decode_interval_s
-        free = 1.0
-        for _ in range(4):
-            batch = max(w.output_tokens_per_s * period, 1.0)
-            room_chunks = w.chunking(max(max_num_batched_tokens - batch, 1.0))
-            t_prompt = co.prompt_s(room_chunks, batch, batch * ctx)
-            t_decode_step = co.step_s(0, batch, batch * ctx)
-            prefill_steps_per_s = w.request_rate_per_s * room_chunks.chunks
-            free = 1.0 - w.request_rate_per_s * t_prompt
-            decode_steps_per_s = max(free, 0.0) / max(decode_interval_s, t_decode_step)
-            period = 1.0 / (prefill_steps_per_s + decode_steps_per_s)
+        period, free = _paced_period_s(co, w, max_num_batched_tokens, decode_interval_s)
         if free <= 0.05:
             stable = False
     decode_batch = max(w.output_tokens_per_s * period, 1.0 if not w.is_idle else 0.0)
     if decode_batch > max_num_seqs * 0.9:
         stable = False
-    # The prompts in chunks of what the token cap leaves beside the decode batch: the
-    # steps a mean prompt takes (their fixed and decode costs once per chunk, the squared
-    # prefill cost on the chunks' sizes, so a smaller cap costs steps and saves squares).
-    chunking = w.chunking(max(max_num_batched_tokens - decode_batch, 1.0))
-    t_prompt = co.prompt_s(chunking, decode_batch, decode_batch * ctx)
-    # A step in progress when a request arrives: the unpaced mean step, or a paced batch's.
-    t_step = co.step_s(0, decode_batch, decode_batch * ctx) if paced else t
-    # The share of time spent on prompts' chunks (rho). Arrivals queue behind each other's
-    # prefill: waiting grows like 1 / (1 - rho).
-    prefill_share = w.request_rate_per_s * t_prompt
-    mean_ttft_s = (0.5 * t_step + t_prompt) / max(1.0 - prefill_share, 0.05)
+    chunking, t_step, prefill_share, mean_ttft_s = _first_token_s(
+        co, w, max_num_batched_tokens, decode_batch, t if not paced else None
+    )
     mean_tpot_s = period
     out_per_req = w.output_tokens_per_s / w.request_rate_per_s if w.request_rate_per_s > 0 else 0
     concurrency = w.request_rate_per_s * (mean_ttft_s + out_per_req * period)
-    busy = 1.0 - math.exp(-concurrency) if not w.is_idle else 0.0
-    if w.prefill_time_share is not None:
-        prefill_busy = busy * w.prefill_time_share  # measured: prefill is chunked unevenly
-    else:
-        prefill_busy = min(busy, prefill_share)
-    if paced and stable:
-        # Busy for the steps counted above, idle in between.
-        step_busy = prefill_share + (1.0 - prefill_share) * min(1.0, t_step / decode_interval_s)
-        busy = min(busy, step_busy)
-        prefill_busy = min(busy, prefill_share)
-    decode_busy = max(busy - prefill_busy, 0.0)
-    chunk = chunking.weighted_chunk
-    power = power_model.predict_w(clock_mhz, decode_busy, prefill_busy, temp_c, chunk)
-    decode_phase = power_model.predict_w(clock_mhz, 1.0, 0.0, temp_c)
-    prefill_phase = power_model.predict_w(clock_mhz, 0.0, 1.0, temp_c, chunk)
-    peak = max(decode_phase, prefill_phase) if w.prompt_tokens_per_s > 0 else decode_phase
+    busy, prefill_busy = _busy_shares(
+        w, concurrency, prefill_share, t_step, decode_interval_s, paced and stable
+    )
+    power, peak = _power_w(
+        power_model, clock_mhz, busy, prefill_busy, temp_c, chunking.weighted_chunk, w
+    )
     j_per_token = power / w.output_tokens_per_s if w.output_tokens_per_s > 0 else math.inf
     if not stable:
         j_per_token = math.inf
@@ -883,6 +830,128 @@ def predict(
         j_per_token=j_per_token,
         stable=stable,
     )
+
+
+def _first_token_s(
+    co: StepCoefficients,
+    w: Workload,
+    max_num_batched_tokens: int,
+    decode_batch: float,
+    unpaced_step_s: float | None,
+) -> tuple[Chunking, float, float, float]:
+    """The prompts' chunking, the step in progress when a request arrives, the share of
+    time on prompts' chunks (rho), and the mean TTFT (s). unpaced_step_s: the unpaced mean
+    step (None: paced, the decode batch's step)."""
+    ctx = w.mean_context_tokens
+    # The prompts in chunks of what the token cap leaves beside the decode batch: the
+    # steps a mean prompt takes (their fixed and decode costs once per chunk, the squared
+    # prefill cost on the chunks' sizes, so a smaller cap costs steps and saves squares).
+    chunking = w.chunking(max(max_num_batched_tokens - decode_batch, 1.0))
+    t_prompt = co.prompt_s(chunking, decode_batch, decode_batch * ctx)
+    # A step in progress when a request arrives: the unpaced mean step, or a paced batch's.
+    t_step = (
+        co.step_s(0, decode_batch, decode_batch * ctx) if unpaced_step_s is None else unpaced_step_s
+    )
+    # The share of time spent on prompts' chunks (rho). Arrivals queue behind each other's
+    # prefill: waiting grows like 1 / (1 - rho).
+    prefill_share = w.request_rate_per_s * t_prompt
+    mean_ttft_s = (0.5 * t_step + t_prompt) / max(1.0 - prefill_share, 0.05)
+    return chunking, t_step, prefill_share, mean_ttft_s
+
+
+def _unpaced_step_s(
+    co: StepCoefficients, w: Workload, max_num_batched_tokens: int
+) -> tuple[float, bool]:
+    """The mean unpaced step time under load, and whether the engine keeps up (u < 0.95)."""
+    per_decode = co.per_decode_token_s + co.per_context_token_s * w.mean_context_tokens
+    # The squared prefill cost, on the prompts' chunks at the full token cap.
+    square_s = co.per_prefill_token_sq_s * w.request_rate_per_s
+    square_s *= w.chunking(max_num_batched_tokens).tokens_sq
+    u = co.per_prefill_token_s * w.prompt_tokens_per_s + per_decode * w.output_tokens_per_s
+    u += square_s
+    stable = u < 0.95
+    t_loaded = co.base_s / max(1.0 - u, 0.05)
+    # With less than one request decoding per step, a step still decodes one token.
+    t_single = (co.base_s + per_decode) / max(
+        1.0 - co.per_prefill_token_s * w.prompt_tokens_per_s - square_s, 0.05
+    )
+    t = (
+        t_loaded
+        if w.output_tokens_per_s * t_loaded >= 1.0
+        else max(t_loaded, min(t_single, t_loaded * 2))
+    )
+    return t, stable
+
+
+def _paced_period_s(
+    co: StepCoefficients, w: Workload, max_num_batched_tokens: int, decode_interval_s: float
+) -> tuple[float, float]:
+    """The mean gap between a paced request's tokens, and the share of time the prompts'
+    chunks leave free for decode-only steps.
+
+    Steps with prefill (each arriving prompt's chunks) run as they come; decode-only
+    steps fill the rest of the time, one per interval (or per step, if longer). A
+    running request gets a token from each, so the mean gap between its tokens is
+    1 / (steps per second), and the decode batch that gap holds (output rate x gap)
+    sets every step's length: a fixed point, found in a few rounds.
+    Where the prompts' chunks leave no time free (a small token cap: every step
+    carries prefill), the decode batch rides on them alone; the engine keeps up if
+    they fit the time at the batch their own gap holds.
+    """
+    ctx = w.mean_context_tokens
+    period = decode_interval_s
+    free = 1.0
+    for _ in range(4):
+        batch = max(w.output_tokens_per_s * period, 1.0)
+        room_chunks = w.chunking(max(max_num_batched_tokens - batch, 1.0))
+        t_prompt = co.prompt_s(room_chunks, batch, batch * ctx)
+        t_decode_step = co.step_s(0, batch, batch * ctx)
+        prefill_steps_per_s = w.request_rate_per_s * room_chunks.chunks
+        free = 1.0 - w.request_rate_per_s * t_prompt
+        decode_steps_per_s = max(free, 0.0) / max(decode_interval_s, t_decode_step)
+        period = 1.0 / (prefill_steps_per_s + decode_steps_per_s)
+    return period, free
+
+
+def _busy_shares(
+    w: Workload,
+    concurrency: float,
+    prefill_share: float,
+    t_step: float,
+    decode_interval_s: float,
+    paced_and_stable: bool,
+) -> tuple[float, float]:
+    """The share of time the engine is busy, and the share busy with prefill."""
+    busy = 1.0 - math.exp(-concurrency) if not w.is_idle else 0.0
+    if w.prefill_time_share is not None:
+        prefill_busy = busy * w.prefill_time_share  # measured: prefill is chunked unevenly
+    else:
+        prefill_busy = min(busy, prefill_share)
+    if paced_and_stable:
+        # Busy for the steps counted above, idle in between.
+        step_busy = prefill_share + (1.0 - prefill_share) * min(1.0, t_step / decode_interval_s)
+        busy = min(busy, step_busy)
+        prefill_busy = min(busy, prefill_share)
+    return busy, prefill_busy
+
+
+def _power_w(
+    power_model: PowerModel,
+    clock_mhz: int,
+    busy: float,
+    prefill_busy: float,
+    temp_c: float | None,
+    chunk: float,
+    w: Workload,
+) -> tuple[float, float]:
+    """The mean power at these busy shares, and the hungriest phase's (prefill, or decode
+    when no prefill comes)."""
+    decode_busy = max(busy - prefill_busy, 0.0)
+    power = power_model.predict_w(clock_mhz, decode_busy, prefill_busy, temp_c, chunk)
+    decode_phase = power_model.predict_w(clock_mhz, 1.0, 0.0, temp_c)
+    prefill_phase = power_model.predict_w(clock_mhz, 0.0, 1.0, temp_c, chunk)
+    peak = max(decode_phase, prefill_phase) if w.prompt_tokens_per_s > 0 else decode_phase
+    return power, peak
 
 
 def idle_ttft_ms(

@@ -10,18 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from wattserve.controller.guard_state import LatencyGuardState, PowerGuardState
 from wattserve.controller.learner import Learner
 from wattserve.controller.limits import Limits
 from wattserve.controller.models import Prediction, StepCoefficients, Workload, predict
+from wattserve.controller.params import ControllerParams
 from wattserve.controller.policy import Knobs, Objective, Policy
 from wattserve.controller.signals import EngineStats
-from wattserve.controller.state import ControllerParams
-
-if TYPE_CHECKING:
-    from wattserve.controller.latency_guard import LatencyGuard
-    from wattserve.controller.power_guard import PowerGuard
 
 
 @dataclass(frozen=True)
@@ -32,8 +28,8 @@ class Outlook:
     params: ControllerParams
     limits: Limits
     learner: Learner
-    power_guard: PowerGuard
-    latency_guard: LatencyGuard
+    power_hold: PowerGuardState  # the guards' holds, read live (the guards write them)
+    latency_hold: LatencyGuardState
     policy: Policy
     now_s: float
     interval_ms: float  # the decode pacing interval in force
@@ -41,7 +37,7 @@ class Outlook:
     def guard_holds(self) -> bool:
         """A latency guard's hold is in force (nothing shrinks or switches): guard_hold_s
         after it fired, or until a queue's floor let go."""
-        return self.latency_guard.holding(self.now_s)
+        return self.latency_hold.holding(self.now_s)
 
     def ttft_ratio(self) -> float:
         return self.learner.ttft_ratio.ratio(self.now_s, self.policy.slo_percentile)
@@ -82,7 +78,7 @@ class Outlook:
         policy = self.policy
         if not pr.stable:
             return False
-        margin = self.params.slo_margin * tighten
+        margin = self.params.targets.slo_margin * tighten
         ttft_ms = pr.ttft_ms * self.error_factor("ttft", pr)
         tpot_ms = pr.tpot_ms * self.error_factor("tpot", pr)
         if ttft_ms > policy.ttft_slo_ms * margin or tpot_ms > policy.tpot_slo_ms * margin:
@@ -101,8 +97,8 @@ class Outlook:
         clock predicted over the budget would only be knocked down again). Every budget check
         of a clock asks this one question: the search's and a guard's step up must agree
         on it, or one takes the clock up where the other takes it down."""
-        return self.limits.hw_limit_enforces(budget_w) and not self.power_guard.limit_failed_within(
-            self.now_s, self.params.power_hold_max_s
+        return self.limits.hw_limit_enforces(budget_w) and not self.power_hold.limit_failed_within(
+            self.now_s, self.params.power_guard.power_hold_max_s
         )
 
     def within_budget(self, pr: Prediction, budget_w: float) -> bool:
@@ -111,7 +107,7 @@ class Outlook:
         measured peak ratio) must fit power_margin x budget."""
         if self.board_limit_holds(budget_w):
             return True
-        limit = budget_w * self.params.power_margin
+        limit = budget_w * self.params.targets.power_margin
         if pr.power_w > limit:
             return False
         return pr.peak_power_w * self.learner.peak_ratio_at(self.now_s) <= limit
@@ -143,19 +139,19 @@ class Outlook:
         model = self.learner.step_models.get(level)
         if model is None:
             return 0.0
-        seen = model.batch_seen(p.trust_min_samples)
-        return max(p.batch_trust_min, p.batch_trust_factor * seen)
+        seen = model.batch_seen(p.learning.trust_min_samples)
+        return max(p.learning.batch_trust_min, p.learning.batch_trust_factor * seen)
 
     def clock_range(self, level: str, ceiling: int | None) -> list[int]:
         """Candidate clocks: below the power ceiling, above the latency floor, and no more
         than trust_clock_steps candidates beyond the clocks this level has been seen at."""
         p, lim = self.params, self.limits
         top = ceiling if ceiling is not None else lim.top_mhz
-        floor = self.latency_guard.floor(self.now_s)
-        seen = self.learner.step_model(level).seen_clocks(p.trust_min_samples)
+        floor = self.latency_hold.floor(self.now_s)
+        seen = self.learner.step_model(level).seen_clocks(p.learning.trust_min_samples)
         if seen:
-            lo = lim.move(lim.snap(min(seen)), -p.trust_clock_steps)
-            hi = lim.move(lim.snap(max(seen)), +p.trust_clock_steps)
+            lo = lim.move(lim.snap(min(seen)), -p.learning.trust_clock_steps)
+            hi = lim.move(lim.snap(max(seen)), +p.learning.trust_clock_steps)
         else:
             lo, hi = lim.top_mhz, lim.top_mhz
         out = [
@@ -173,7 +169,7 @@ class Outlook:
         model = self.learner.power
         if self.board_limit_holds(budget_w):
             return lim.top_mhz
-        if model.samples < p.learning_min_power_samples:
+        if model.samples < p.learning.learning_min_power_samples:
             return lim.device.sm_clock_min_mhz
         recent = list(self.learner.recent_steps)[-50:]
         prefill = any(s.has_prefill for s in recent)
@@ -183,7 +179,7 @@ class Outlook:
             watts = peak_ratio * model.predict_w(
                 f, 0.0 if prefill else busy, busy if prefill else 0.0, temp_c
             )
-            if watts <= budget_w * p.power_margin:
+            if watts <= budget_w * p.targets.power_margin:
                 return f
         return lim.device.sm_clock_min_mhz
 
@@ -223,7 +219,7 @@ class Outlook:
         if best_s <= late_s:
             return current
         top = self.limits.engine.max_num_batched_tokens_max
-        step_max_s = self.params.chunk_step_slo_factor * self.policy.tpot_slo_ms / 1000.0
+        step_max_s = self.params.batch_caps.chunk_step_slo_factor * self.policy.tpot_slo_ms / 1000.0
         running, ctx = stats.num_running, workload.mean_context_tokens
         t = current
         while t < top:
@@ -245,7 +241,7 @@ class Outlook:
         model = self.learner.step_models.get(level)
         if stats.num_waiting <= 0 or model is None:
             return None
-        if model.samples < self.params.learning_min_steps:
+        if model.samples < self.params.learning.learning_min_steps:
             return None
         return model.coefficients(clock, workload.mean_context_tokens)
 
@@ -300,12 +296,14 @@ class Outlook:
         p, e = self.params, self.limits.engine
         co = self.learner.step_model(level).coefficients(clock, ctx)
         step_max_s = min(
-            p.chunk_step_slo_factor * self.policy.tpot_slo_ms / 1000.0,
-            p.chunk_step_ttft_factor * self.policy.ttft_slo_ms / 1000.0,
+            p.batch_caps.chunk_step_slo_factor * self.policy.tpot_slo_ms / 1000.0,
+            p.batch_caps.chunk_step_ttft_factor * self.policy.ttft_slo_ms / 1000.0,
         )
         tokens = e.max_num_batched_tokens_max
         while tokens > e.max_num_batched_tokens_min:
-            tighten = p.chunk_grow_margin if current is not None and tokens > current else 1.0
+            tighten = (
+                p.batch_caps.chunk_grow_margin if current is not None and tokens > current else 1.0
+            )
             if co.step_s(tokens, batch, batch * ctx) <= step_max_s * tighten:
                 break
             tokens = max(e.max_num_batched_tokens_min, tokens // 2)
@@ -323,13 +321,13 @@ class Outlook:
         `current` one must meet it by descend_margin more (noise near the edge must not
         flip the chunk)."""
         p = self.params
-        limit_ms = p.slo_margin * self.policy.ttft_slo_ms
+        limit_ms = p.targets.slo_margin * self.policy.ttft_slo_ms
         top = self.limits.engine.max_num_batched_tokens_max
         best_ms, best = math.inf, tokens
         t = tokens
         while True:
             ttft_ms = self.predict(level, clock, seqs, t, workload, None).ttft_ms
-            if ttft_ms <= limit_ms * (p.descend_margin if t < current else 1.0):
+            if ttft_ms <= limit_ms * (p.clock.descend_margin if t < current else 1.0):
                 return t
             if ttft_ms < best_ms:
                 best_ms, best = ttft_ms, t
@@ -356,7 +354,7 @@ class Outlook:
         the power model's chunk term), so splitting prompts can pay for the extra steps;
         with neither learned it never does."""
         p = self.params
-        keep = 1.0 - p.chunk_gain_min_pct / 100.0
+        keep = 1.0 - p.batch_caps.chunk_gain_min_pct / 100.0
         base = self.predict(level, clock, seqs, tokens, workload, None)
         if not math.isfinite(base.j_per_token):
             return tokens
@@ -367,7 +365,7 @@ class Outlook:
         t = tokens // 2
         while t >= self.limits.engine.max_num_batched_tokens_min:
             pr = self.predict(level, clock, seqs, t, workload, None)
-            tighten = p.descend_margin if t < current else 1.0
+            tighten = p.clock.descend_margin if t < current else 1.0
             if self.feasible(pr, budget_w, tighten):
                 if t == current:
                     incumbent_j = pr.j_per_token

@@ -14,10 +14,10 @@ from wattserve.controller.learner import Learner
 from wattserve.controller.limits import Limits
 from wattserve.controller.models import Prediction, Workload
 from wattserve.controller.outlook import Outlook
+from wattserve.controller.params import ControllerParams
 from wattserve.controller.part import Part
 from wattserve.controller.policy import Knobs, Objective, Policy
 from wattserve.controller.signals import EngineConstraints
-from wattserve.controller.state import ControllerParams
 
 
 def pace_candidates(
@@ -27,7 +27,10 @@ def pace_candidates(
     the engine's longest."""
     slo = policy.tpot_slo_ms
     top_ms = engine.decode_interval_max_ms
-    return [0.0, *(float(round(f * slo)) for f in params.pace_fractions if f * slo <= top_ms)]
+    return [
+        0.0,
+        *(float(round(f * slo)) for f in params.pacing.pace_fractions if f * slo <= top_ms),
+    ]
 
 
 @dataclass
@@ -53,9 +56,9 @@ class DecodePacing(Part):
         within pace_period_s of a longer interval chosen here: a lull that begins just
         after it (the arrivals' gaps are random) would undo it at once."""
         p = self.params
-        if now_s - self.state.last_longer_s < p.pace_period_s:
+        if now_s - self.state.last_longer_s < p.pacing.pace_period_s:
             return False
-        return self.learner.workload.lull(now_s, p.pace_lull_gaps, p.pace_period_s)
+        return self.learner.workload.lull(now_s, p.pacing.pace_lull_gaps, p.pacing.pace_period_s)
 
     def crowded(self) -> bool:
         """The running batch fills guard_cap_share of the engine's largest cap: an
@@ -67,7 +70,9 @@ class DecodePacing(Part):
         and pace_backoff_s more where it shortened it because the targets were predicted
         missed (a longer interval back at once, at the SLO's edge, flips to and fro)."""
         p = self.params
-        wait_s = p.pace_period_s + (p.pace_backoff_s if shortened_for_targets else 0.0)
+        wait_s = p.pacing.pace_period_s + (
+            p.pacing.pace_backoff_s if shortened_for_targets else 0.0
+        )
         self.state.next_weigh_s = max(self.state.next_weigh_s, now_s + wait_s)
 
     def step(
@@ -96,13 +101,13 @@ class DecodePacing(Part):
             return None
         if now_s < self.state.next_weigh_s or trial_running:
             return None
-        if self.learner.step_model(level).samples < p.descend_evidence_steps:
+        if self.learner.step_model(level).samples < p.clock.descend_evidence_steps:
             return None  # a young model: its paced predictions rest on batches not seen
         if self.learner.waiting_now > 0 or outlook.guard_holds():
             return None
         # A longer interval reverted lately (it came near the SLOs) stays barred a while.
-        barred_ms = outlook.latency_guard.pace_limit_ms(now_s)
-        self.state.next_weigh_s = now_s + p.pace_period_s
+        barred_ms = outlook.latency_hold.pace_limit_ms(now_s)
+        self.state.next_weigh_s = now_s + p.pacing.pace_period_s
         clock = knobs.sm_clock_mhz or self.limits.top_mhz
 
         def at(interval: float) -> Prediction:
@@ -123,7 +128,9 @@ class DecodePacing(Part):
         longer = {
             i: at(i) for i in candidates if i > current and (barred_ms is None or i <= barred_ms)
         }
-        ok = [i for i, pr in longer.items() if outlook.feasible(pr, budget_w, p.descend_margin)]
+        ok = [
+            i for i, pr in longer.items() if outlook.feasible(pr, budget_w, p.clock.descend_margin)
+        ]
         if not ok:
             return None
         best = min(ok, key=lambda i: (outlook.score(longer[i]), i))
@@ -131,7 +138,7 @@ class DecodePacing(Part):
         if not (math.isfinite(cur_j) and math.isfinite(best_j) and cur_j > 0):
             return None
         gain = 100.0 * (1.0 - best_j / cur_j)
-        if gain < p.clock_gain_min_pct:
+        if gain < p.clock.clock_gain_min_pct:
             return None
         if not outlook.batch_trusted(longer[best]):
             # Beyond the decode batches the model has seen: one candidate at a time, so

@@ -21,4 +21,7 @@ class Part:
     def near_engine_cap(self, running: int) -> bool:
         """A running batch that fills guard_cap_share of the engine's largest max_num_seqs:
         once the cap is full every arrival queues for a slot."""
-        return running >= self.params.guard_cap_share * self.limits.engine.max_num_seqs_max
+        return (
+            running
+            >= self.params.latency_guard.guard_cap_share * self.limits.engine.max_num_seqs_max
+        )

@@ -12,8 +12,8 @@ the hold (up to power_hold_max_s).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+from wattserve.controller.guard_state import PowerGuardState
 from wattserve.controller.learner import Learner
 from wattserve.controller.limits import Limits
 from wattserve.controller.outlook import Outlook
@@ -23,34 +23,20 @@ from wattserve.controller.signals import Telemetry
 from wattserve.controller.state import Choice, ControllerState, Reason
 
 
-@dataclass
-class PowerGuardState:
-    derate: float = 1.0  # the share of the policy's budget in force (thermal derating)
-    ceiling_mhz: int | None = None  # no clock above this (None: no ceiling)
-    ceiling_until_s: float = -math.inf  # held unchanged until then
-    hold_s: float = 0.0  # how long the next ceiling is held
-    last_fired_s: float = -math.inf
-    limit_w: float | None = None  # the board limit the knobs carry, and since when
-    limit_since_s: float = -math.inf
-    # The last firing on readings taken wholly under that limit: it did not hold.
-    limit_failed_s: float = -math.inf
-
-
 class PowerGuard(Part):
     """Measured power against the budget; the clock ceiling it holds."""
 
     def __init__(self, limits: Limits, learner: Learner) -> None:
         super().__init__(limits, learner)
-        self.state = PowerGuardState(hold_s=limits.params.power_hold_s)
+        self.state = PowerGuardState(hold_s=limits.params.power_guard.power_hold_s)
 
     @property
     def derate(self) -> float:
         return self.state.derate
 
     def limit_failed_within(self, now_s: float, seconds: float) -> bool:
-        """Power was measured over the budget under the board limit set for it (the
-        limit did not hold, or not in time) within the last `seconds`."""
-        return now_s - self.state.limit_failed_s < seconds
+        """See PowerGuardState.limit_failed_within."""
+        return self.state.limit_failed_within(now_s, seconds)
 
     def effective_budget_w(self, telemetry: Telemetry | None, budget_w: float) -> float:
         """The policy's budget derated linearly from thermal_derate_start_c of thermal
@@ -59,13 +45,13 @@ class PowerGuard(Part):
         derate = 1.0
         if telemetry is not None and telemetry.thermal_margin_c is not None:
             m = telemetry.thermal_margin_c
-            if m <= p.thermal_derate_full_c:
-                derate = p.thermal_derate_min
-            elif m < p.thermal_derate_start_c:
-                frac = (p.thermal_derate_start_c - m) / (
-                    p.thermal_derate_start_c - p.thermal_derate_full_c
+            if m <= p.power_guard.thermal_derate_full_c:
+                derate = p.power_guard.thermal_derate_min
+            elif m < p.power_guard.thermal_derate_start_c:
+                frac = (p.power_guard.thermal_derate_start_c - m) / (
+                    p.power_guard.thermal_derate_start_c - p.power_guard.thermal_derate_full_c
                 )
-                derate = 1.0 - frac * (1.0 - p.thermal_derate_min)
+                derate = 1.0 - frac * (1.0 - p.power_guard.thermal_derate_min)
         # Smooth: derating follows temperature at once, recovers a little each observation.
         s = self.state
         if derate < s.derate:
@@ -87,7 +73,7 @@ class PowerGuard(Part):
         # One noisy short-window reading just over is not a violation; a sustained one, or
         # one clearly over, is.
         avg = telemetry.power_avg_w if telemetry.power_avg_w is not None else power_w
-        tolerance = 1.0 + self.params.power_noise_tolerance
+        tolerance = 1.0 + self.params.power_guard.power_noise_tolerance
         if power_w <= budget_w * tolerance and not (power_w > budget_w and avg > budget_w):
             return None
         p, lim = self.params, self.limits
@@ -95,7 +81,7 @@ class PowerGuard(Part):
         model = self.learner.power
         one_down = lim.move(lim.snap(actual), -1)
         target = None
-        if model.samples >= p.learning_min_power_samples:
+        if model.samples >= p.learning.learning_min_power_samples:
             prefill = self.learner.prefill_lately(20)
             for f in reversed(lim.clocks_mhz):
                 if f > one_down:
@@ -103,12 +89,12 @@ class PowerGuard(Part):
                 peak = model.predict_w(
                     f, 0.0 if prefill else 1.0, 1.0 if prefill else 0.0, telemetry.gpu_temp_c
                 )
-                if peak <= budget_w * p.power_margin:
+                if peak <= budget_w * p.targets.power_margin:
                     target = f
                     break
         if target is None:
             # No trusted model: cut the clock in proportion (dynamic power ~ f^2 or more).
-            scaled = actual * math.sqrt(budget_w / power_w) * p.power_margin
+            scaled = actual * math.sqrt(budget_w / power_w) * p.targets.power_margin
             target = min(lim.snap(scaled), one_down)
         target = max(target, lim.device.sm_clock_min_mhz)
         self._hold_ceiling(target, now_s)
@@ -133,9 +119,9 @@ class PowerGuard(Part):
         not become a limit cycle."""
         p, s = self.params, self.state
         if now_s - s.last_fired_s < 2 * s.hold_s:
-            s.hold_s = min(s.hold_s * 2, p.power_hold_max_s)
+            s.hold_s = min(s.hold_s * 2, p.power_guard.power_hold_max_s)
         else:
-            s.hold_s = p.power_hold_s
+            s.hold_s = p.power_guard.power_hold_s
         s.last_fired_s = now_s
         s.ceiling_mhz = target_mhz
         s.ceiling_until_s = now_s + s.hold_s
@@ -152,13 +138,13 @@ class PowerGuard(Part):
             return None
         p, lim = self.params, self.limits
         now_s = outlook.now_s
-        if now_s >= s.ceiling_until_s and power_w < budget_w * p.power_release_margin:
+        if now_s >= s.ceiling_until_s and power_w < budget_w * p.power_guard.power_release_margin:
             raised = max(lim.move(s.ceiling_mhz, +1), outlook.safe_clock(budget_w, temp_c))
             if raised >= lim.top_mhz:
                 s.ceiling_mhz = None
                 return None
             s.ceiling_mhz = raised
-            s.ceiling_until_s = now_s + p.clock_min_interval_s
+            s.ceiling_until_s = now_s + p.clock.clock_min_interval_s
         return s.ceiling_mhz
 
     def clock_as_power_limit(

@@ -112,14 +112,14 @@ class QuantTimescale(Part):
         level the table already calls slower. The level left has a few steps and no
         trained model: it is tried at a calm moment like a never-run level, so a table
         from another machine that ranks the levels wrongly is found out by that trial."""
-        if not self.params.quant_start_by_table or not allowed:
+        if not self.params.quant.quant_start_by_table or not allowed:
             return None
         if any(self.learner.trained(lv) for lv in self.learner.step_models):
             return None
         first = min(allowed, key=self.table.order)
         if first == current or not self.table.measured_faster(first, current):
             return None
-        if self.table.prefill_slower(first, current, self.params.quant_trial_slowdown_max):
+        if self.table.prefill_slower(first, current, self.params.quant.quant_trial_slowdown_max):
             return None
         return Choice(
             ControllerState.LEARNING,
@@ -146,7 +146,7 @@ class QuantTimescale(Part):
         model = self.learner.step_models.get(t.before)
         if step.quant_level != t.tried or model is None:
             return
-        if model.samples < self.params.learning_min_steps:
+        if model.samples < self.params.learning.learning_min_steps:
             return
         # (Folding the context into the decode cost matters here: clipping each cost on its
         # own once judged a faster bf16, 65 ms steps against fp32's 95, 2.2x slower.)
@@ -176,7 +176,7 @@ class QuantTimescale(Part):
         if s.stuck_since_s is None:
             s.stuck_since_s = now_s
             return False
-        return now_s - s.stuck_since_s >= self.params.quant_stuck_s
+        return now_s - s.stuck_since_s >= self.params.quant.quant_stuck_s
 
     def restore_probe_chunk(self, knobs: Knobs) -> Knobs:
         """However a trial ended, the chunk its probe cut comes back."""
@@ -195,9 +195,10 @@ class QuantTimescale(Part):
         p, t = self.params, self.state.trial
         assert t is not None
         enough = (
-            t.steps >= p.quant_trial_min_steps and t.measured_s >= p.quant_trial_evidence_s
-        ) or t.measured_s >= 2 * p.quant_trial_evidence_s  # one long step will do
-        slow = t.measured_s > p.quant_trial_slowdown_max * t.expected_s
+            t.steps >= p.quant.quant_trial_min_steps
+            and t.measured_s >= p.quant.quant_trial_evidence_s
+        ) or t.measured_s >= 2 * p.quant.quant_trial_evidence_s  # one long step will do
+        slow = t.measured_s > p.quant.quant_trial_slowdown_max * t.expected_s
         return enough, slow
 
     def verdict(self, base: Knobs, now_s: float) -> Choice | None:
@@ -217,7 +218,7 @@ class QuantTimescale(Part):
                 base.with_changes(max_num_batched_tokens=chunk),
                 Reason.OPTIMIZE,
                 f"trial of {t.tried}: its first {t.steps} steps within "
-                f"{p.quant_trial_slowdown_max:g}x {t.before}'s model; chunk "
+                f"{p.quant.quant_trial_slowdown_max:g}x {t.before}'s model; chunk "
                 f"{base.max_num_batched_tokens} -> {chunk}",
             )
         if enough and slow:
@@ -225,8 +226,8 @@ class QuantTimescale(Part):
             why = f"its {t.steps} steps took {ratio:.1f}x what {t.before}'s model predicts for them"
             s.slow_here_s[t.tried] = now_s
         elif (
-            now_s - t.started_s >= p.quant_trial_max_s
-            and self.learner.step_model(t.tried).samples < p.learning_min_steps
+            now_s - t.started_s >= p.quant.quant_trial_max_s
+            and self.learner.step_model(t.tried).samples < p.learning.learning_min_steps
         ):
             samples = self.learner.step_model(t.tried).samples
             why = f"only {samples} steps in {now_s - t.started_s:.0f} s"
@@ -292,13 +293,15 @@ class QuantTimescale(Part):
         # of the margin while its requests meet the SLO, and an escape under load runs a
         # level not measured here with the full chunk, where each slow step holds the queue.
         waiting = self.learner.waiting_now > 0
-        troubled = waiting or outlook.latency_guard.fired_within(now_s, p.quant_stuck_busy_s)
+        troubled = waiting or outlook.latency_hold.fired_within(now_s, p.quant.quant_stuck_busy_s)
         stuck = (
-            s.stuck_since_s is not None and now_s - s.stuck_since_s >= p.quant_stuck_s and troubled
+            s.stuck_since_s is not None
+            and now_s - s.stuck_since_s >= p.quant.quant_stuck_s
+            and troubled
         )
-        busy = waiting or outlook.latency_guard.fired_within(now_s, p.guard_hold_s)
+        busy = waiting or outlook.latency_hold.fired_within(now_s, p.latency_guard.guard_hold_s)
         stuck_for = now_s - s.stuck_since_s if s.stuck_since_s is not None else 0.0
-        stuck_long = stuck_for >= max(p.quant_stuck_s, p.quant_stuck_busy_s)
+        stuck_long = stuck_for >= max(p.quant.quant_stuck_s, p.quant.quant_stuck_busy_s)
         if busy and not stuck_long:
             # Not while a queue is served: a switch costs, its gain rests on the less tried
             # level's model, and the percentile ratios start again; the clock serves a
@@ -310,24 +313,44 @@ class QuantTimescale(Part):
         # more than a model fitted on small batches, which would hold the level through a
         # rising load at the top clock.
         mine = self.table.order(level)[0]
-        table_rules = mine < 0.0 and self.learner.running_peak >= p.quant_table_batch_min
+        table_rules = mine < 0.0 and self.learner.running_peak >= p.quant.quant_table_batch_min
         if table_rules:
             switched = self._switch_by_table(ask, allowed, mine, since)
             if switched is not None:
                 return switched
-        if since >= (p.quant_explore_dwell_s if stuck else p.quant_dwell_s):
-            known = self._known(ask, allowed, table_rules, mine)
-            if not known and stuck:
-                escaped = self._escape_by_headroom(ask, allowed)
-                if escaped is not None:
-                    return escaped
-            if known:
-                if current is None and not stuck:
-                    return None  # a transient miss is the guards' business, not a reason
-                switched = self._switch_known(ask, known, current, stuck, since)
-                if switched is not None:
-                    return switched
+        if since >= (p.quant.quant_explore_dwell_s if stuck else p.quant.quant_dwell_s):
+            done, switched = self._after_dwell(
+                ask, allowed, current, stuck, table_rules, mine, since
+            )
+            if done:
+                return switched
         return self._explore(ask, allowed, stuck, table_rules, mine, since, steady_s)
+
+    def _after_dwell(
+        self,
+        ask: _Ask,
+        allowed: tuple[str, ...],
+        current: Prediction | None,
+        stuck: bool,
+        table_rules: bool,
+        mine: float,
+        since: float,
+    ) -> tuple[bool, Choice | None]:
+        """After the dwell: a known level, or an escape by headroom when stuck. (True, its
+        choice) where the step ends here (the choice None: nothing moves); (False, None)
+        where a trial may still be begun."""
+        known = self._known(ask, allowed, table_rules, mine)
+        if not known and stuck:
+            escaped = self._escape_by_headroom(ask, allowed)
+            if escaped is not None:
+                return True, escaped
+        if known:
+            if current is None and not stuck:
+                return True, None  # a transient miss is the guards' business, not a reason
+            switched = self._switch_known(ask, known, current, stuck, since)
+            if switched is not None:
+                return True, switched
+        return False, None
 
     def _conclude_trial(self, ask: _Ask, since: float) -> Choice | None:
         """The trial is over after quant_explore_dwell_s once its model has learned: keep
@@ -335,8 +358,8 @@ class QuantTimescale(Part):
         s, p = self.state, self.params
         t = s.trial
         assert t is not None
-        learned = self.learner.step_model(t.tried).samples >= p.learning_min_steps
-        if since < p.quant_explore_dwell_s or not learned:
+        learned = self.learner.step_model(t.tried).samples >= p.learning.learning_min_steps
+        if since < p.quant.quant_explore_dwell_s or not learned:
             return None
         s.trial = None
         s.last_switch_s = ask.now_s
@@ -345,7 +368,7 @@ class QuantTimescale(Part):
         theirs = self._best_for(ask, t.before, True, t.tried)
         score = ask.outlook.score
         if theirs is not None and (mine is None or score(theirs) <= score(mine)):
-            if t.measured_s > t.expected_s > 0.0 and t.batch_max >= p.quant_table_batch_min:
+            if t.measured_s > t.expected_s > 0.0 and t.batch_max >= p.quant.quant_table_batch_min:
                 # Slower than the level before, if not by enough to end the trial early,
                 # at batches like the table's: the table that ranked it faster is wrong
                 # here too. (At smaller batches a step's fixed cost decides, which the
@@ -375,9 +398,9 @@ class QuantTimescale(Part):
             if lv != ask.level
             and self.learner.trained(lv)
             and self.table.order(lv)[0] < mine
-            and now_s - self.state.slow_here_s.get(lv, -math.inf) >= p.quant_slow_retry_s
+            and now_s - self.state.slow_here_s.get(lv, -math.inf) >= p.quant.quant_slow_retry_s
         ]
-        if not (ahead and since >= p.quant_explore_dwell_s):
+        if not (ahead and since >= p.quant.quant_explore_dwell_s):
             return None
         lv = min(ahead, key=self.table.order)
         to = self._best_for(ask, lv, True) or self._headroom(ask, lv)
@@ -450,7 +473,7 @@ class QuantTimescale(Part):
                 ask, best, f"{ask.level} cannot meet the targets at any trusted clock"
             )
         left_s = ask.now_s - self.state.left_s.get(best.quant_level, -math.inf)
-        need = p.quant_gain_min_pct * (2.0 if left_s < 3 * p.quant_dwell_s else 1.0)
+        need = p.quant.quant_gain_min_pct * (2.0 if left_s < 3 * p.quant.quant_dwell_s else 1.0)
         if score(best) < cur * (1.0 - need / 100.0):
             gain = (1 - score(best) / cur) * 100
             return self._switch(
@@ -472,7 +495,29 @@ class QuantTimescale(Part):
         level cannot cope, a level measured faster (bench quant's decode speed) whose model
         has not seen batches like those running now is tried again at this load (at most
         once per quant_peak_window_s): its model, not trusted there, learns them."""
-        s, p, now_s, level, base = self.state, self.params, ask.now_s, ask.level, ask.base
+        s, p, now_s = self.state, self.params, ask.now_s
+        unexplored, what = self._untried(ask, allowed, stuck, table_rules, mine)
+        calm = (
+            not ask.outlook.latency_hold.fired_within(now_s, p.latency_guard.guard_hold_s)
+            and steady_s >= 5.0
+        )
+        # Once a trial has measured a level much slower than the table said, the table is
+        # not trusted to pick an escape under load: later trials wait for a calm moment.
+        table_wrong = any(now_s - t < p.quant.quant_slow_retry_s for t in s.slow_here_s.values())
+        if not (
+            unexplored
+            and since >= p.quant.quant_explore_dwell_s
+            and (calm or (stuck and not table_wrong))
+        ):
+            return None
+        target = sorted(unexplored, key=self.table.order)[0]
+        return self._begin_trial(ask, target, stuck, what)
+
+    def _untried(
+        self, ask: _Ask, allowed: tuple[str, ...], stuck: bool, table_rules: bool, mine: float
+    ) -> tuple[list[str], str]:
+        """The levels a trial may try now, and what makes them worth one."""
+        s, p, now_s, level = self.state, self.params, ask.now_s, ask.level
         # Untrained, and never tried here or a calm trial of it aborted long enough ago
         # (a level left at the cold start has a few steps, no trained model).
         unexplored = [
@@ -482,7 +527,7 @@ class QuantTimescale(Part):
             and not self.learner.trained(lv)
             and (
                 lv not in s.explored
-                or now_s - s.aborted_s.get(lv, math.inf) >= p.quant_peak_window_s
+                or now_s - s.aborted_s.get(lv, math.inf) >= p.quant.quant_peak_window_s
             )
         ]
         what = "never measured here"
@@ -497,8 +542,8 @@ class QuantTimescale(Part):
                 if lv != level
                 and lv in self.learner.step_models
                 and running > ask.outlook.trusted_batch(lv)
-                and now_s - s.retried_s.get(lv, -math.inf) >= p.quant_peak_window_s
-                and now_s - s.slow_here_s.get(lv, -math.inf) >= p.quant_slow_retry_s
+                and now_s - s.retried_s.get(lv, -math.inf) >= p.quant.quant_peak_window_s
+                and now_s - s.slow_here_s.get(lv, -math.inf) >= p.quant.quant_slow_retry_s
                 and self.table.faster(lv, level)
             ]
             if retry or not unexplored:
@@ -510,7 +555,7 @@ class QuantTimescale(Part):
         unexplored = [
             lv
             for lv in unexplored
-            if not self.table.prefill_slower(lv, level, p.quant_trial_slowdown_max)
+            if not self.table.prefill_slower(lv, level, p.quant.quant_trial_slowdown_max)
         ]
         # A level the table ranks no faster than one measured slower here is not tried: the
         # table's error is the machine's (it holds for the levels ranked below too), and
@@ -518,7 +563,7 @@ class QuantTimescale(Part):
         slow_known = [
             self.table.order(lv)[0]
             for lv, t in s.slow_here_s.items()
-            if now_s - t < p.quant_slow_retry_s and self.table.order(lv)[0] < 0.0
+            if now_s - t < p.quant.quant_slow_retry_s and self.table.order(lv)[0] < 0.0
         ]
         if slow_known:
             unexplored = [lv for lv in unexplored if self.table.order(lv)[0] < min(slow_known)]
@@ -532,17 +577,11 @@ class QuantTimescale(Part):
                 for lv in unexplored
                 if self.table.order(lv)[0] < mine or self.table.order(lv)[0] == 0.0
             ]
-        calm = not ask.outlook.latency_guard.fired_within(now_s, p.guard_hold_s) and steady_s >= 5.0
-        # Once a trial has measured a level much slower than the table said, the table is
-        # not trusted to pick an escape under load: later trials wait for a calm moment.
-        table_wrong = any(now_s - t < p.quant_slow_retry_s for t in s.slow_here_s.values())
-        if not (
-            unexplored
-            and since >= p.quant_explore_dwell_s
-            and (calm or (stuck and not table_wrong))
-        ):
-            return None
-        target = sorted(unexplored, key=self.table.order)[0]
+        return unexplored, what
+
+    def _begin_trial(self, ask: _Ask, target: str, stuck: bool, what: str) -> Choice:
+        """Transition: a trial of `target` begins."""
+        s, p, now_s, level, base = self.state, self.params, ask.now_s, ask.level, ask.base
         s.aborted_s.pop(target, None)
         if target in s.explored:
             s.retried_s[target] = now_s
@@ -557,7 +596,7 @@ class QuantTimescale(Part):
         # the queue needs the full chunk.
         probe = max(
             self.limits.engine.max_num_batched_tokens_min,
-            base.max_num_batched_tokens // p.quant_trial_probe_fraction,
+            base.max_num_batched_tokens // p.quant.quant_trial_probe_fraction,
         )
         # A calm trial runs at the decode interval in force: pacing is not the level's to
         # decide, and the tried level's model then learns the paced batches it would be
@@ -576,7 +615,7 @@ class QuantTimescale(Part):
             knobs,
             Reason.QUANT_EXPLORE,
             f"quantization {level} -> {target}: {what}; trying it for "
-            f"{p.quant_explore_dwell_s:g} s (latency guards stay armed)"
+            f"{p.quant.quant_explore_dwell_s:g} s (latency guards stay armed)"
             + ("; the current level cannot meet the targets" if stuck else "")
             + note,
         )

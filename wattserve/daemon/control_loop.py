@@ -103,7 +103,7 @@ class SteerableDevice(Protocol):
 
 def params_from_config(cfg: ControllerConfig) -> ControllerParams:
     """The controller's tuning from [controller]."""
-    return ControllerParams(
+    return ControllerParams.of(
         batch_period_s=cfg.batch_period_s,
         quant_dwell_s=cfg.quant_dwell_s,
         quant_gain_min_pct=cfg.quant_gain_min_pct,
