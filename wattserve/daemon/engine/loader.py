@@ -128,9 +128,9 @@ def check_weight_files(path: Path) -> None:
             raise LoadError(f"{file}: corrupt safetensors file: {_first_line(e)}") from None
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
+def checked_model_type(path: Path) -> str:
+    """A model directory's `model_type` from its config.json, once the engine can serve it;
+    raises LoadError naming the directory, the file or the architecture."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise LoadError(f"{path}: not a model directory (no config.json)")
@@ -139,12 +139,19 @@ def _load_hf_dir(path: Path, dtype: torch.dtype):
     except (OSError, json.JSONDecodeError) as e:
         raise LoadError(f"{config_file}: unreadable config.json ({e})") from None
     _check_architecture(model_type, path)
+    return model_type
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    checked_model_type(path)
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise LoadError(f"{path}: no weight files (*.safetensors) in the directory")
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:
-        raise LoadError(f"{config_file}: cannot read config: {_first_line(e)}") from None
+        raise LoadError(f"{path / 'config.json'}: cannot read config: {_first_line(e)}") from None
     _check_family(config, path)
     check_weight_files(path)
     try:

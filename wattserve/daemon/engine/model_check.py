@@ -9,16 +9,15 @@ must not load weights, allocate a KV cache or touch a GPU beyond asking its memo
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from wattserve.daemon.engine.families import text_config
 from wattserve.daemon.engine.loader import (
     LoadError,
-    _check_architecture,
     _check_family,
     check_weight_files,
+    checked_model_type,
 )
 from wattserve.daemon.engine.model import model_shape
 from wattserve.kernels.quant import LEVEL_NAMES, head_level, linear_nbytes, parse_level
@@ -38,18 +37,13 @@ def check_model_dir(path: Path, memory_bytes: int) -> dict:
     """The report of one model directory; raises LoadError naming what is wrong."""
     from transformers import AutoConfig
 
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise LoadError(f"{path}: not a model directory (no config.json)")
-    try:
-        model_type = json.loads(config_file.read_text()).get("model_type")
-    except (OSError, json.JSONDecodeError) as e:
-        raise LoadError(f"{config_file}: unreadable config.json ({e})") from None
-    _check_architecture(model_type, path)
+    model_type = checked_model_type(path)
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises many types for a bad config
-        raise LoadError(f"{config_file}: cannot read config: {type(e).__name__}: {e}") from None
+        raise LoadError(
+            f"{path / 'config.json'}: cannot read config: {type(e).__name__}: {e}"
+        ) from None
     _check_family(config, path)
     if not any(path.glob("*.safetensors")):
         raise LoadError(f"{path}: no weight files (*.safetensors) in the directory")
