@@ -57,7 +57,7 @@ def test_a_cuda_engine_never_builds_or_loads_the_cpu_kernels(tiny_llama, kernel_
     fake = FakeTensorMode(allow_non_fake_inputs=True)  # the real HF weights go in once
     with fake:
         engine = Engine(loaded, options, CUDA0)
-        assert engine.model.attention_backend == "torch"
+        assert engine.model.attention_backend != "cpp"  # triton, or torch without it
         assert engine.model.level_bytes("int8") > 0
         engine.model.use_level("int8")
         for kind in ("decode", "mixed"):
