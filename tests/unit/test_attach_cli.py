@@ -95,6 +95,9 @@ def test_attach_publishes_telemetry_over_mqtt_and_is_one_fleet_node(tmp_path, br
     fake = FakeServer((DATA / "sglang-00ae9c1.metrics").read_text(), SGLANG)
     node = "attach-node"
     topics = Topics.for_node("wattserve", node)
+    key_file = tmp_path / "fleet.key"
+    key_file.write_text("0123456789abcdef0123456789abcdef\n")
+    key_file.chmod(0o600)
 
     async def body(url: str) -> None:
         async with Recorder(broker, topics.telemetry, topics.status) as rec:
@@ -111,6 +114,12 @@ def test_attach_publishes_telemetry_over_mqtt_and_is_one_fleet_node(tmp_path, br
                 WATTSERVE_MQTT__TELEMETRY_INTERVAL_MS="200",
                 WATTSERVE_FLEET__ENABLED="true",
                 WATTSERVE_FLEET__SAFE_FLOOR_W="123",
+                # A fleet node signs with its own key and needs control and auto modes; the
+                # lab waiver stands in for broker credentials and TLS on loopback.
+                WATTSERVE_FLEET__KEY_FILE=str(key_file),
+                WATTSERVE_FLEET__INSECURE_LAB_WAIVER="true",
+                WATTSERVE_DEVICE__MODE="control",
+                WATTSERVE_CONTROLLER__MODE="auto",
             )
             try:
                 # A process start under load: imports take a while.
