@@ -33,6 +33,15 @@ def test_a_layer_launches_as_many_kernels_at_any_batch_and_chunk_count(counts):
         assert sum(attention.values()) == 1, (name, step["layer_ops"])
 
 
+def test_a_layer_and_the_rest_of_a_step_fit_their_kernel_budgets(counts):
+    for key in ("kernels_per_layer_decode", "kernels_per_layer_mixed", "kernels_outside_layers"):
+        assert counts[key] <= host.BUDGETS[key], (key, counts[key])
+    # rope and the KV write are one launch, never an index_copy or a gather of K/V again
+    for name, step in counts["per_step"].items():
+        gathers = [k for k in step["layer_ops"] if "index" in k or "gather" in k]
+        assert not gathers, (name, step["layer_ops"])
+
+
 def test_a_step_reads_back_once(counts):
     assert counts["d2h_copies_per_step"] == 1
     assert all(s["scalar_reads"] == 0 for s in counts["per_step"].values())

@@ -2,7 +2,8 @@
 interpreter (TRITON_INTERPRET=1) in one subprocess: decode, prefill after cached tokens and
 mixed steps; 1, 3, 4, 8 and 16 query heads per KV head; head dims 64 and 128; fp32, bf16,
 fp16; sliding windows and soft-caps (cases in triton_attention_cases.py); and a tiny
-model's steps with the Triton backend against the same steps with the C++ kernel."""
+model's steps with the Triton backend and row ops (as on CUDA) against the same steps with
+the C++ kernels."""
 
 from __future__ import annotations
 

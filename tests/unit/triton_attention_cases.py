@@ -132,9 +132,14 @@ def model_steps(backend: str) -> dict[str, torch.Tensor]:
 
 
 def main(out_path: str) -> None:
+    from wattserve.kernels import norm_rope
     from wattserve.kernels.triton_attention import triton_paged_attention
 
+    # The model's steps as on CUDA: the row ops (rope with the KV write, the residual add
+    # with its norm, SiLU x up, greedy ids: triton_rows.py) on Triton kernels too.
+    norm_rope.TRITON_ROW_DEVICES.add("cpu")
     outputs = {"model": model_steps("triton")}
+    norm_rope.TRITON_ROW_DEVICES.discard("cpu")
     for name, case in CASES.items():
         args, _ = build(name)
         outputs[name] = triton_paged_attention(

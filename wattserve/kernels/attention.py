@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from wattserve.kernels.extension import kernels_take, load_cpu_kernels
-from wattserve.kernels.norm_rope import apply_rope
+from wattserve.kernels.norm_rope import apply_rope, triton_rows_take
 
 
 def write_kv(
@@ -56,7 +56,12 @@ def rope_write_kv(
     """From the fused projection qkv [T, (H + 2 KVH) D]: rotate q and k (cos/sin [T, 1, D/2]),
     store k and v at the tokens' slots, return q [T, H, D]. On the CPU one C++ pass
     (csrc/fused_rows.cpp) and q contiguous; elsewhere apply_rope and write_kv, and q a view
-    (a copy of a CUDA tensor needs the CUDA library, which a fake-CUDA trace lacks)."""
+    (a copy of a CUDA tensor needs the CUDA library, which a fake-CUDA trace lacks); on
+    CUDA with triton one Triton launch (triton_rows.py) and q contiguous."""
+    if triton_rows_take(qkv) and k_cache.is_contiguous() and v_cache.is_contiguous():
+        return torch.ops.wattserve.triton_rope_write_kv(
+            qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads
+        )
     if kernels_take(qkv):
         return torch.ops.wattserve.rope_write_kv(
             qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads

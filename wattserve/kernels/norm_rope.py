@@ -1,17 +1,35 @@
 """RMSNorm, rotary position embedding and the SiLU gate for the Llama-family forward.
 
 On the CPU, RMSNorm (alone or after the residual add) and SiLU x up run as one-pass C++
-ops (csrc/fused_rows.cpp); elsewhere, or where they could not be built, torch's own.
+ops (csrc/fused_rows.cpp); on CUDA the residual add with its norm, SiLU x up and rope with
+the KV write run as one Triton launch each (triton_rows.py, where triton is installed);
+elsewhere, or where neither could be loaded, torch's own.
 Each fast path has a plain-torch reference (`*_reference`) that tests compare against.
 These functions are pure tensor math: no model state, no KV cache, no scheduling.
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
 from wattserve.kernels.extension import kernels_take
+
+# Devices whose row ops run as triton_rows' kernels: CUDA where triton is installed (torch's
+# CUDA wheels bring it). The Triton tests add "cpu", under TRITON_INTERPRET=1.
+TRITON_ROW_DEVICES: set[str] = {"cuda"} if importlib.util.find_spec("triton") else set()
+
+
+def triton_rows_take(*tensors: torch.Tensor) -> bool:
+    """Whether triton_rows' kernels serve a call on these: each on a TRITON_ROW_DEVICES
+    device, 2-D with unit stride along its rows."""
+    if not all(t.device.type in TRITON_ROW_DEVICES for t in tensors):
+        return False
+    import wattserve.kernels.triton_rows as rows  # registers the ops on first use
+
+    return all(rows.takes(t) for t in tensors)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -25,6 +43,8 @@ def add_rms_norm(
     residual: torch.Tensor, addend: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """residual += addend (in place), then rms_norm(residual): both [T, hidden]."""
+    if triton_rows_take(residual, addend):
+        return torch.ops.wattserve.triton_add_rms_norm(residual, addend, weight, eps)
     if kernels_take(residual) and addend.is_contiguous():
         return torch.ops.wattserve.add_rms_norm(residual, addend, weight, eps)
     residual.add_(addend)
@@ -33,6 +53,8 @@ def add_rms_norm(
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [T, 2 * inter], gate then up -> silu(gate) * up, [T, inter]."""
+    if triton_rows_take(gate_up):
+        return torch.ops.wattserve.triton_silu_mul(gate_up)
     if kernels_take(gate_up):
         return torch.ops.wattserve.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)

@@ -699,6 +699,7 @@ def _attention_backend(device: torch.device) -> str:
         return "cpp" if load_cpu_kernels() else "torch"
     if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
         import wattserve.kernels.triton_attention  # noqa: F401  (compiles nothing yet)
+        import wattserve.kernels.triton_rows  # noqa: F401  (the row ops, norm_rope's choice)
 
         return "triton"
     return "torch"

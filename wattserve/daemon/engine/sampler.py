@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from wattserve.daemon.engine.request import SamplingParams
+from wattserve.kernels.norm_rope import triton_rows_take
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -51,6 +52,9 @@ def sample(
     """
     n, vocab = logits.shape
     dev = logits.device
+    if all(p.greedy for p in params) and triton_rows_take(logits):  # one launch on CUDA
+        ids = torch.ops.wattserve.triton_greedy_ids(logits).cpu().tolist()
+        return [None if t < 0 else t for t in ids]
     # A row's maximum is NaN if any logit is, +inf if any is, -inf if none is finite.
     finite = torch.isfinite(logits.amax(dim=-1))
     tokens = logits.argmax(dim=-1)
