@@ -20,7 +20,14 @@ from typing import Any
 from wattserve.bench.control_systems import make_system
 from wattserve.controller.policy import ControlMode, Policy
 from wattserve.sim.calibration import Calibration, LevelFit, fit_steps
-from wattserve.sim.run import RunResult, Sample, decision_reasons, energy_sample, power_sample
+from wattserve.sim.run import (
+    RunResult,
+    Sample,
+    decision_reasons,
+    energy_sample,
+    power_sample,
+    scenario_device_config,
+)
 from wattserve.sim.scenarios import RequestMix, Scenario, arrivals, prompt_tokens
 from wattserve.sim.systems import PERIOD_S
 
@@ -355,7 +362,6 @@ def run_real(
     weights), in wall time; speeds: the controller's speed table (measure_level_speeds_real);
     device_calibration: the virtual GPU's measured power calibration, if any."""
     from wattserve.bench.engine import corpus_token_ids
-    from wattserve.daemon.config import DeviceConfig
     from wattserve.daemon.coupling import device_step_hook
     from wattserve.daemon.device import open_device
     from wattserve.daemon.engine.request import SamplingParams
@@ -364,16 +370,7 @@ def run_real(
     ids = corpus_token_ids(engine.tokenizer, 8192)
     policy = policy.with_changes(power_budget_w=scenario.budget_w(0.0), mode=ControlMode.AUTO)
     with tempfile.TemporaryDirectory() as state_dir:
-        device = open_device(
-            DeviceConfig(
-                backend="virtual",
-                mode="control",
-                state_dir=Path(state_dir),
-                virtual_seed=scenario.seed,
-                virtual_ambient_c=scenario.ambient_c(0.0),
-                virtual_power_calibration=device_calibration,
-            )
-        )
+        device = open_device(scenario_device_config(scenario, Path(state_dir), device_calibration))
         system = make_system(
             system_name,
             engine,

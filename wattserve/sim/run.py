@@ -13,13 +13,16 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wattserve.controller.policy import ControlMode, Policy
 from wattserve.sim.calibration import Calibration
 from wattserve.sim.engine_model import SimRequest, SimulatedEngine
 from wattserve.sim.scenarios import RequestMix, Scenario, arrivals, prompt_tokens
 from wattserve.sim.systems import PERIOD_S, Controlled, System
+
+if TYPE_CHECKING:
+    from wattserve.daemon.config import DeviceConfig
 
 # (engine, device, clock, policy) -> the system to run; policy is the run's, budget set.
 SystemFactory = Callable[[SimulatedEngine, object, object, Policy], System]
@@ -80,6 +83,24 @@ def power_sample(device, last, t0_s: float, budget_w: float, engine, knobs: dict
     return sample, cur
 
 
+def scenario_device_config(
+    scenario: Scenario, state_dir: Path, calibration: Path | None
+) -> DeviceConfig:
+    """The virtual GPU a control bench runs a scenario on: seeded and at the inlet
+    temperature of the scenario's start, in control mode, with the measured power
+    calibration if one is given. Both engines' benches build theirs here."""
+    from wattserve.daemon.config import DeviceConfig
+
+    return DeviceConfig(
+        backend="virtual",
+        mode="control",
+        state_dir=state_dir,
+        virtual_seed=scenario.seed,
+        virtual_ambient_c=scenario.ambient_c(0.0),
+        virtual_power_calibration=calibration,
+    )
+
+
 def run_scenario(
     scenario: Scenario,
     make_system: SystemFactory,
@@ -95,21 +116,12 @@ def run_scenario(
     device, the clock and the policy at the scenario's first budget, in auto mode) on the
     engine model, in simulated time. device_calibration: a measured power calibration for
     the virtual GPU (`[device] virtual_power_calibration`); None: its profile's model."""
-    from wattserve.daemon.config import DeviceConfig
     from wattserve.daemon.device import SimClock, open_device
 
     clock = SimClock(0.0)
     with tempfile.TemporaryDirectory() as state_dir:
         device = open_device(
-            DeviceConfig(
-                backend="virtual",
-                mode="control",
-                state_dir=Path(state_dir),
-                virtual_seed=scenario.seed,
-                virtual_ambient_c=scenario.ambient_c(0.0),
-                virtual_power_calibration=device_calibration,
-            ),
-            clock=clock,
+            scenario_device_config(scenario, Path(state_dir), device_calibration), clock=clock
         )
         try:
             return _run(
