@@ -25,7 +25,9 @@ def synthetic_corpus(seed: int = 0, lines: int = 400) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(3, 15))) for _ in range(lines)]
 
 
-def build_tokenizer(vocab_size: int = 512):
+def build_tokenizer(vocab_size: int = 512, extra_special: tuple[str, ...] = ()):
+    """The byte-level BPE test tokenizer; extra_special: more special tokens (a family's
+    turn markers), trained into the same vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -34,7 +36,7 @@ def build_tokenizer(vocab_size: int = 512):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL,
+        special_tokens=SPECIAL + list(extra_special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -174,13 +176,20 @@ ROPE_VARIANTS: dict[str, dict] = {
 
 
 def make_family_dir(
-    out: Path, family: str, seed: int = 0, layers: int = 2, weight_std: float = 0.15, **extra
+    out: Path,
+    family: str,
+    seed: int = 0,
+    layers: int = 2,
+    weight_std: float = 0.15,
+    tokenizer=None,
+    **extra,
 ) -> Path:
     """A random model of `family` (a FAMILY_CONFIGS key, or "llama-<rope variant>") saved
-    with save_pretrained, with the test tokenizer; extra: config keys to override."""
+    with save_pretrained, with `tokenizer` (default: the test tokenizer); extra: config
+    keys to override."""
     import transformers
 
-    tok = build_tokenizer()
+    tok = tokenizer if tokenizer is not None else build_tokenizer()
     if family.startswith("llama-"):
         cfg_name, model_name = "LlamaConfig", "LlamaForCausalLM"
         variant = ROPE_VARIANTS[family.removeprefix("llama-")]

@@ -73,10 +73,13 @@ def tiny_moe_hf(arch: str, seed: int = 0, **config):
     return model
 
 
-def make_tiny_moe_dir(out: Path, arch: str, seed: int = 0, layers: int = 3) -> Path:
-    """Write config.json + safetensors + tokenizer files of a random tiny MoE model."""
-    tok = build_tokenizer()
-    model = tiny_moe_hf(arch, seed, vocab_size=len(tok), layers=layers)
+def make_tiny_moe_dir(
+    out: Path, arch: str, seed: int = 0, layers: int = 3, tokenizer=None, max_positions: int = 512
+) -> Path:
+    """Write config.json + safetensors + tokenizer files of a random tiny MoE model, with
+    `tokenizer` (default: the test tokenizer)."""
+    tok = tokenizer if tokenizer is not None else build_tokenizer()
+    model = tiny_moe_hf(arch, seed, vocab_size=len(tok), layers=layers, max_positions=max_positions)
     model.config.eos_token_id = tok.eos_token_id
     model.config.bos_token_id = tok.bos_token_id
     model.config.pad_token_id = tok.pad_token_id

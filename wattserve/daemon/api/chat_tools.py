@@ -13,7 +13,9 @@ plan_tools() turns `tools`, `tool_choice` and `parallel_tool_calls` into a ToolP
 - the reader (wattserve/daemon/api/tools.py): for "auto", `api.tool_parser` or, with "auto", the
   format the template shows (Llama 3's python tag or `"parameters"` key, else Hermes).
 template_messages() turns the request's messages, tool calls and results included, into
-what the template takes. This module must not generate, compile grammars or parse text.
+what the template takes; for a template that refuses a system turn (Gemma 2), the tool
+list's system message is folded into the first user turn (fold_tool_system).
+This module must not generate, compile grammars or parse text.
 """
 
 from __future__ import annotations
@@ -254,3 +256,16 @@ def template_messages(messages: list[ChatMessage], plan: ToolPlan) -> list[dict[
         else:
             out.insert(0, {"role": "system", "content": plan.system_text})
     return out
+
+
+def fold_tool_system(messages: list[dict[str, Any]], plan: ToolPlan) -> list[dict[str, Any]] | None:
+    """The messages with the plan's own tool-list system turn (the request sent none)
+    folded into the first user turn, as templates without a system role do themselves;
+    None when the first turn is not that one, or no user turn follows it."""
+    if plan.system_text is None or len(messages) < 2:
+        return None
+    first, second = messages[0], messages[1]
+    if first != {"role": "system", "content": plan.system_text} or second["role"] != "user":
+        return None
+    merged = {**second, "content": f"{plan.system_text}\n\n{second['content']}"}
+    return [merged, *messages[2:]]

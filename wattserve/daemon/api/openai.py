@@ -30,7 +30,12 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from wattserve.daemon.api.bounds import check_choices, check_priority, check_prompt_logprobs
-from wattserve.daemon.api.chat_tools import ToolPlan, plan_tools, template_messages
+from wattserve.daemon.api.chat_tools import (
+    ToolPlan,
+    fold_tool_system,
+    plan_tools,
+    template_messages,
+)
 from wattserve.daemon.api.choices import Choices, ChoiceSpec, start_choices
 from wattserve.daemon.api.errors import APIError, error_body, error_response, from_invalid_request
 from wattserve.daemon.api.generation import ClientGone, GenerationStream
@@ -192,18 +197,30 @@ def render_chat(
         raise InvalidRequestError(
             "this model has no chat template; use /v1/completions", param="messages"
         )
-    try:
-        text = tokenizer.apply_chat_template(
-            messages,
+
+    def apply(turns: list[dict[str, Any]]) -> str:
+        return tokenizer.apply_chat_template(
+            turns,
             tools=None if plan is None else plan.template_tools,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
         )
-    except Exception as e:  # jinja raises TemplateError (and others) for messages it rejects
-        raise InvalidRequestError(
-            f"the chat template rejected the messages: {e}", param="messages"
-        ) from None
-    return engine.tokenize(text)
+
+    # A template without a system role (Gemma 2) gets the tool list in the first user turn.
+    folded = None if plan is None else fold_tool_system(messages, plan)
+    first_error: Exception | None = None
+    for turns in (messages, folded):
+        if turns is None:
+            break
+        try:
+            text = apply(turns)
+        except Exception as e:  # jinja raises TemplateError (and others) for what it rejects
+            first_error = first_error or e
+            continue
+        return engine.tokenize(text)
+    raise InvalidRequestError(
+        f"the chat template rejected the messages: {first_error}", param="messages"
+    )
 
 
 def sampling_params(

@@ -314,8 +314,22 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(_Body):
+    """A text content part: the only kind served (the model's text part; Gemma 3's vision
+    tower is not run), so an image, audio or file part is refused by name."""
+
     type: Literal["text"]
     text: str
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _text_only(cls, kind: Any) -> Any:
+        if isinstance(kind, str) and kind != "text":
+            what = "image" if "image" in kind else "non-text"
+            raise ValueError(
+                f"{what} inputs are not supported (content part type {kind!r}); "
+                "this server takes text parts only"
+            )
+        return kind
 
 
 class ToolCallFunction(_Body):
