@@ -47,8 +47,12 @@ BF16_AGREEMENT = 0.95
 # The issue asks 2e-2 of max|logit| against transformers in bf16; on these random 2-layer
 # models (weights at std 0.15) olmo2, granite and gemma2/3 stay inside it, qwen3 measured
 # 0.030 and phi3 0.046 (two bf16 implementations rounding at different points). The
-# bound held is the repo's bf16 rounding bound of test_quant_engine.
+# bound held is the repo's bf16 rounding bound of test_quant_engine. Against the fp32
+# truth, transformers' own bf16 is 0.027 (qwen3) and 0.043 (phi3) away and ours 0.020 and
+# 0.042: the 2e-2 is below bf16's own error on these weights. What is held besides: ours
+# is no further from fp32 than transformers' bf16 is (with a quarter's slack).
 BF16_LOGIT_BOUND = 0.05
+BF16_VS_HF_ERROR = 1.25
 # The bounds of tests/integration/test_quant_engine.py, for the same reason.
 BF16_ROUNDING = 0.05
 INT8_ACTIVATION_ROUNDING = 0.10
@@ -164,23 +168,30 @@ def bf16_copy(lm):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_greedy_agrees_with_transformers_bf16(family, family_models):
-    lm = bf16_copy(family_models(family))
+    fp32 = family_models(family)
+    lm = bf16_copy(fp32)
     prompts = prompts_of(family, len(lm.tokenizer))[:2]  # 1 and 17 tokens: 96 steps
     engine = Engine(lm, EngineOptions(kv_cache_bytes=16 * block_bytes(lm)), device="cpu")
     seen = recording_logits(engine)
-    agree, steps, worst = 0, 0, 0.0
+    agree, steps, worst, ours_vs_fp32, hf_vs_fp32 = 0, 0, 0.0, 0.0, 0.0
     for prompt, out in zip(prompts, engine.generate(prompts, GREEDY), strict=True):
         tokens = out.token_ids
         ours = torch.stack(seen[tuple(prompt)])
-        # transformers in bf16 over the engine's own path: its choice at each step.
+        # transformers in bf16 (and fp32) over the engine's own path: its choice at each step.
+        rows = slice(len(prompt) - 1, len(prompt) - 1 + NEW_TOKENS)
         with torch.inference_mode():
-            full = lm.hf_model(torch.tensor([prompt + tokens])).logits[0].float()
-        ref = full[len(prompt) - 1 : len(prompt) - 1 + NEW_TOKENS]
+            ids = torch.tensor([prompt + tokens])
+            ref = lm.hf_model(ids).logits[0].float()[rows]
+            truth = fp32.hf_model(ids).logits[0][rows]
         agree += (ref.argmax(-1) == torch.tensor(tokens)).sum().item()
         steps += len(tokens)
         worst = max(worst, ((ours - ref).abs().max() / ref.abs().max()).item())
+        scale = truth.abs().max()
+        ours_vs_fp32 = max(ours_vs_fp32, ((ours - truth).abs().max() / scale).item())
+        hf_vs_fp32 = max(hf_vs_fp32, ((ref - truth).abs().max() / scale).item())
     assert agree / steps >= BF16_AGREEMENT
     assert worst <= BF16_LOGIT_BOUND, f"bf16 logits {worst:.3f} of max|logit| from HF bf16"
+    assert ours_vs_fp32 <= BF16_VS_HF_ERROR * hf_vs_fp32, (ours_vs_fp32, hf_vs_fp32)
 
 
 def dequantized(weights: LevelWeights) -> LevelWeights:
