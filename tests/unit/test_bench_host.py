@@ -61,3 +61,27 @@ def test_the_command_prints_its_keys_and_budgets_last(capsys, monkeypatch):
         "d2h_copies_per_step": True, "kernels_outside_layers": True,
     }
     assert line["dtype"] == "bfloat16" and line["host_ms_per_step_bs1"] is None
+
+
+def test_the_command_takes_a_level_and_its_budgets(capsys, monkeypatch):
+    seen = []
+
+    def fake_measure(dtype, level=None):
+        seen.append(level)
+        return {
+            "kernels_per_layer_decode": 13,
+            "kernels_per_layer_mixed": 13,
+            "kernel_growth_with_batch": 0,
+            "kernels_outside_layers": 10,
+            "d2h_copies_per_step": 1,
+            "syncs_before_next_launch": 1,
+            "per_step": {},
+        }
+
+    monkeypatch.setattr(host, "measure", fake_measure)
+    assert host.main(["--level", "fp8"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert seen == ["fp8"] and line["level"] == "fp8"
+    assert line["budgets"]["kernels_per_layer_decode"] == 16
+    assert line["met"]["kernels_per_layer_decode"] and line["met"]["kernels_per_layer_mixed"]
+    assert host.budgets(None) == host.BUDGETS  # bf16's stay the issue's
