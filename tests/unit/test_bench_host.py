@@ -63,6 +63,31 @@ def test_the_command_prints_its_keys_and_budgets_last(capsys, monkeypatch):
     assert line["dtype"] == "bfloat16" and line["host_ms_per_step_bs1"] is None
 
 
+# ---- quantized levels: the layer is bf16's with each linear's kernels swapped ----------
+
+LEVEL_LINEAR_OPS = {
+    "int8": {"wattserve.triton_int8_linear.default": 4},  # one launch a linear
+    "fp8": {"wattserve.triton_fp8_quantize_rows.default": 4, "aten._scaled_mm.default": 4},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(LEVEL_LINEAR_OPS))
+def level_counts(request) -> tuple[str, dict]:
+    return request.param, host.measure(torch.bfloat16, request.param)
+
+
+def test_int8_and_fp8_layers_run_the_triton_ops_within_16_kernels(counts, level_counts):
+    level, quantized = level_counts
+    assert host.budgets(level)["kernels_per_layer_decode"] == 16
+    for key in ("kernels_per_layer_decode", "kernels_per_layer_mixed"):
+        assert quantized[key] <= 16, (level, key, quantized[key])
+    assert quantized["kernel_growth_with_batch"] == 0
+    for name, step in quantized["per_step"].items():
+        bf16_ops = dict(counts["per_step"][name]["layer_ops"])
+        assert bf16_ops.pop("aten.linear.default") == 4
+        assert step["layer_ops"] == bf16_ops | LEVEL_LINEAR_OPS[level], (level, name)
+
+
 def test_the_command_takes_a_level_and_its_budgets(capsys, monkeypatch):
     seen = []
 
