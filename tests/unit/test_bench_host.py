@@ -61,3 +61,52 @@ def test_the_command_prints_its_keys_and_budgets_last(capsys, monkeypatch):
         "d2h_copies_per_step": True, "kernels_outside_layers": True,
     }
     assert line["dtype"] == "bfloat16" and line["host_ms_per_step_bs1"] is None
+
+
+# ---- quantized levels: the layer is bf16's with each linear's kernels swapped ----------
+
+LEVEL_LINEAR_OPS = {
+    "int8": {"wattserve.triton_int8_linear.default": 4},  # one launch a linear
+    "fp8": {"wattserve.triton_fp8_quantize_rows.default": 4, "aten._scaled_mm.default": 4},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(LEVEL_LINEAR_OPS))
+def level_counts(request) -> tuple[str, dict]:
+    return request.param, host.measure(torch.bfloat16, request.param)
+
+
+def test_int8_and_fp8_layers_run_the_triton_ops_within_16_kernels(counts, level_counts):
+    level, quantized = level_counts
+    assert host.budgets(level)["kernels_per_layer_decode"] == 16
+    for key in ("kernels_per_layer_decode", "kernels_per_layer_mixed"):
+        assert quantized[key] <= 16, (level, key, quantized[key])
+    assert quantized["kernel_growth_with_batch"] == 0
+    for name, step in quantized["per_step"].items():
+        bf16_ops = dict(counts["per_step"][name]["layer_ops"])
+        assert bf16_ops.pop("aten.linear.default") == 4
+        assert step["layer_ops"] == bf16_ops | LEVEL_LINEAR_OPS[level], (level, name)
+
+
+def test_the_command_takes_a_level_and_its_budgets(capsys, monkeypatch):
+    seen = []
+
+    def fake_measure(dtype, level=None):
+        seen.append(level)
+        return {
+            "kernels_per_layer_decode": 13,
+            "kernels_per_layer_mixed": 13,
+            "kernel_growth_with_batch": 0,
+            "kernels_outside_layers": 10,
+            "d2h_copies_per_step": 1,
+            "syncs_before_next_launch": 1,
+            "per_step": {},
+        }
+
+    monkeypatch.setattr(host, "measure", fake_measure)
+    assert host.main(["--level", "fp8"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert seen == ["fp8"] and line["level"] == "fp8"
+    assert line["budgets"]["kernels_per_layer_decode"] == 16
+    assert line["met"]["kernels_per_layer_decode"] and line["met"]["kernels_per_layer_mixed"]
+    assert host.budgets(None) == host.BUDGETS  # bf16's stay the issue's

@@ -9,7 +9,10 @@ quantized linear is built once from a full-precision weight and keeps a plain
 dequantize-then-matmul `reference()` for tests. On a CPU with AVX-512 VNNI the int8
 and int4 levels run the project's integer kernel (wattserve.kernels.int_linear: int8
 activations quantized per 32 in-features, weights read once per 8 rows), faster than
-bf16 at every batch size measured; elsewhere torch's packed kernels
+bf16 at every batch size measured. On CUDA with triton, int8 runs one Triton launch
+(wattserve.kernels.triton_quant: bf16 x times the codes, fp32 accumulation, scale and bias
+applied in the kernel) and fp8 two: the activations' per-row scaling in one Triton launch,
+then `_scaled_mm` with row-wise scales. Elsewhere torch's packed kernels
 (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, the CUDA ones), which are fast
 only with bf16 activations, so those paths run in bf16 and cast back.
 This module must not know about models, layers or the engine: it maps one [out, in]
@@ -18,6 +21,7 @@ weight to one callable x[T, in] -> y[T, out].
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -55,6 +59,9 @@ _FP8_MULTIPLE = 16  # _scaled_mm: both matrix dims multiples of 16
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper
 _CUDA_INT4_MIN_CAPABILITY = (8, 0)  # tinygemm kernel behind _weight_int4pack_mm
+# Devices whose int8 and fp8 linears run triton_quant's kernels: CUDA where triton is
+# installed (torch's CUDA wheels bring it). The Triton tests add "cpu", under TRITON_INTERPRET=1.
+TRITON_QUANT_DEVICES: set[str] = {"cuda"} if importlib.util.find_spec("triton") else set()
 
 
 class QuantLevelError(ValueError):
@@ -282,6 +289,20 @@ def _round_up(value: int, multiple: int) -> int:
 # ---- the linears ---------------------------------------------------------------------
 
 
+def _triton_here(device: torch.device) -> bool:
+    """Whether int8/fp8 linears on `device` run triton_quant's kernels (registered now)."""
+    if device.type not in TRITON_QUANT_DEVICES:
+        return False
+    import wattserve.kernels.triton_quant  # noqa: F401  (registers the ops)
+
+    return True
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the Triton kernels take it: rows of unit stride."""
+    return x if x.dim() == 2 and x.stride(-1) == 1 else x.contiguous()
+
+
 def _int_kernel_here(device: torch.device) -> bool:
     """Whether int8/int4 linears on `device` run the integer kernel (CPU, built with VNNI)."""
     return device.type == "cpu" and int_linear_available()
@@ -312,12 +333,15 @@ class _WeightOnlyLinear:
         xb = x.to(torch.bfloat16)
         if self.padded_in != self.in_features:
             xb = F.pad(xb, (0, self.padded_in - self.in_features))  # [T, padded_in]
-        y = self._matmul(xb.contiguous())  # [T, padded_out] bf16
+        return self._finish(self._matmul(xb.contiguous()), x.dtype)
+
+    def _finish(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """y [T, padded_out] -> [T, out] in `dtype`, bias added (each step only if needed)."""
         if self.padded_out != self.out_features:
             y = y.narrow(1, 0, self.out_features).contiguous()
-        y = y.to(x.dtype)
+        y = y.to(dtype)
         if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
+            y = y + self.bias.to(dtype)
         return y
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -334,13 +358,24 @@ class _WeightOnlyLinear:
 
 
 class Int8Linear(_WeightOnlyLinear):
-    """int8 weights with one bf16 scale per output channel; y = (x @ q.T) * scale + b."""
+    """int8 weights with one bf16 scale per output channel; y = (x @ q.T) * scale + b.
+
+    With triton (CUDA) the codes stay [out, in] unpadded and a call is one launch of
+    triton_quant's kernel, which takes x in its dtype and adds the bias itself."""
+
+    triton = False
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
         q, scales = quantize_int8(weight)
         on_cpu = weight.device.type == "cpu"
         self.bias = None if bias is None else bias.detach()
+        if _triton_here(weight.device):
+            self.triton = True
+            self.padded_in, self.padded_out = self.in_features, self.out_features
+            self.q, self.scales = q.contiguous(), scales  # [N, K] int8, [N] bf16
+            self.nbytes = int8_linear_nbytes(self.out_features, self.in_features, on_cpu=False)
+            return
         self.nbytes = int8_linear_nbytes(self.out_features, self.in_features, on_cpu)
         if _int_kernel_here(weight.device):
             # codes q + 128 (0 weights in the padding), one scale group per row
@@ -363,6 +398,11 @@ class Int8Linear(_WeightOnlyLinear):
         self.kernel_max_tokens = _INT8_KERNEL_MAX_TOKENS
         if not on_cpu:
             self.kernel_max_tokens = 1 << 30 if _has_int8_kernel(weight.device) else 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton:
+            return torch.ops.wattserve.triton_int8_linear(_rows(x), self.q, self.scales, self.bias)
+        return super().__call__(x)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.kernel_max_tokens:
@@ -416,7 +456,9 @@ class Int4Linear(_WeightOnlyLinear):
             self.int_weights = pack_codes(q, scales, zeros, 4, group_size, self.out_features)
             return
         # [Kp/G, Np, 2]: the kernels' scale-and-zero layout
-        self.scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+        # clone, not .contiguous(): the latter fails on a fake CUDA tensor (bench host)
+        sz = torch.stack([scales, zeros], dim=-1).transpose(0, 1)
+        self.scales_and_zeros = sz.clone(memory_format=torch.contiguous_format)
         self.packed = pack_int4(q)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -474,11 +516,17 @@ def unpack_int4(
 
 
 class Fp8Linear(_WeightOnlyLinear):
-    """e4m3 weights (per-tensor scale) times e4m3 activations (per-call scale) via _scaled_mm.
+    """e4m3 weights (per-tensor scale) times e4m3 activations via _scaled_mm.
 
-    Built for CUDA GPUs with compute capability >= 8.9; torch also runs _scaled_mm on CPU,
-    which the tests use to check this code path where no such GPU is present.
+    With triton (CUDA) the activations get one scale per row, computed with their codes in
+    one launch (zeros in the padded in-features), and _scaled_mm takes row-wise scales
+    (the weight's per-tensor scale expanded over its rows once, at build): two launches.
+    Without it, one scale per call in torch ops. Built for CUDA GPUs with compute
+    capability >= 8.9; torch also runs _scaled_mm on CPU, which the tests use to check
+    both code paths where no such GPU is present.
     """
+
+    triton = False
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = weight.shape
@@ -491,6 +539,19 @@ class Fp8Linear(_WeightOnlyLinear):
         self.w8, self.scale = quantize_fp8(w)  # [Np, Kp] e4m3, [] fp32
         self.bias = None if bias is None else bias.detach()
         self.nbytes = self.padded_out * self.padded_in + 4
+        if _triton_here(weight.device):
+            self.triton = True
+            row_scales = self.scale.expand(1, self.padded_out)  # [1, Np] fp32, as int4's
+            self.scale_b = row_scales.clone(memory_format=torch.contiguous_format)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.triton:
+            return super().__call__(x)
+        x8, x_scale = torch.ops.wattserve.triton_fp8_quantize_rows(_rows(x), self.padded_in)
+        y = torch._scaled_mm(
+            x8, self.w8.t(), scale_a=x_scale, scale_b=self.scale_b, out_dtype=torch.bfloat16
+        )  # [T, Np]
+        return self._finish(y, x.dtype)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         amax = x.abs().amax().float()
