@@ -53,6 +53,11 @@ def test_the_command_prints_its_keys_and_budgets_last(capsys, monkeypatch):
         "kernel_growth_with_batch": 0, "kernels_outside_layers": 12,
         "d2h_copies_per_step": 1, "syncs_before_next_launch": 1, "per_step": {},
     })
+    from wattserve.bench import host_time
+
+    host_ms = {"host_ms_per_step_bs1": 0.2, "host_ms_per_step_bs64": 1.5}
+    host_ms |= {"host_ms_per_step_bs256": 2.5, "host_ms_note": "how"}
+    monkeypatch.setattr(host_time, "measure", lambda: host_ms)
     assert host.main([]) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["met"] == {
@@ -60,7 +65,13 @@ def test_the_command_prints_its_keys_and_budgets_last(capsys, monkeypatch):
         "kernel_growth_with_batch": True, "syncs_before_next_launch": False,
         "d2h_copies_per_step": True, "kernels_outside_layers": True,
     }
-    assert line["dtype"] == "bfloat16" and line["host_ms_per_step_bs1"] is None
+    assert line["dtype"] == "bfloat16" and line["host_ms_per_step_bs64"] == 1.5
+    assert line["host_ms_note"] == "how"
+    assert line["host_met"] == {
+        "host_ms_per_step_bs1": True,
+        "host_ms_per_step_bs64": False,
+        "host_ms_per_step_bs256": True,
+    }
 
 
 # ---- quantized levels: the layer is bf16's with each linear's kernels swapped ----------
@@ -104,7 +115,7 @@ def test_the_command_takes_a_level_and_its_budgets(capsys, monkeypatch):
         }
 
     monkeypatch.setattr(host, "measure", fake_measure)
-    assert host.main(["--level", "fp8"]) == 0
+    assert host.main(["--level", "fp8", "--no-host-time"]) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert seen == ["fp8"] and line["level"] == "fp8"
     assert line["budgets"]["kernels_per_layer_decode"] == 16

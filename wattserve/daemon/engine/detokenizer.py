@@ -4,13 +4,59 @@ Turns one request's token stream into text deltas: a delta is released only once
 bytes decode to whole characters (multi-byte UTF-8 split over tokens waits for its
 last piece), and text that could still be the start of a stop string is held back.
 It must not decide anything but text: finish reasons belong to the engine.
+
+A token's cost does not grow with the request's history: each add() decodes a window of
+the last few token ids, and only the text not handed out yet (plus the few characters a
+stop string could reach back into) is kept. A transformers fast tokenizer whose decode
+adds nothing to its tokenizers backend's is decoded by the backend directly (the same
+text without transformers' per-call argument handling).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 # Prompt tokens kept as left context so the first generated token decodes with the
 # spacing it has in context (sentencepiece tokenizers drop a leading space otherwise).
 _CONTEXT_TOKENS = 4
+
+
+def text_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """ids -> text, as tokenizer.decode(ids, skip_special_tokens=...) gives it."""
+    decode = _backend_decode(tokenizer) or tokenizer.decode
+    return functools.partial(decode, skip_special_tokens=skip_special_tokens)
+
+
+def _backend_decode(tokenizer):
+    """The tokenizers library's decode when the transformers tokenizer's decode is exactly
+    it (a fast tokenizer with the stock decode and no space clean-up); else None."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        return None
+    if (
+        cls.decode is not PreTrainedTokenizerBase.decode
+        or cls._decode is not PreTrainedTokenizerFast._decode
+    ):
+        return None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        # transformers skips the clean-up for a BPE model unless told to corrupt it.
+        skipped = type(backend.model).__name__ == "BPE" and not getattr(
+            tokenizer,
+            "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+            False,
+        )
+        if not skipped:
+            return None
+    return backend.decode
 
 
 class IncrementalDetokenizer:
@@ -22,54 +68,68 @@ class IncrementalDetokenizer:
         include_stop: bool = False,
         skip_special_tokens: bool = True,
     ) -> None:
-        self._tok = tokenizer
+        self._decode = text_decoder(tokenizer, skip_special_tokens)
         self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix = 0
         self._read = len(self._ids)
-        self.text = ""
+        # The text so far is text[:_base] (handed out, and too far back for a stop string
+        # to reach into) + _buf; _emitted counts the characters handed out.
+        self._buf = ""
+        self._base = 0
         self._emitted = 0
         self._stop = stop
         self._max_stop = max((len(s) for s in stop), default=0)
         self._include_stop = include_stop
-        self._skip_special = skip_special_tokens
 
-    def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=self._skip_special)
+    @property
+    def text_length(self) -> int:
+        """Characters of text so far (cut at a stop string once one is found)."""
+        return self._base + len(self._buf)
 
     def add(self, token_id: int) -> bool:
         """Append one token; True when a stop string now appears (text is cut before it, or
         after it with include_stop)."""
-        self._ids.append(token_id)
-        before = self._decode(self._ids[self._prefix : self._read])
-        after = self._decode(self._ids[self._prefix :])
+        ids = self._ids
+        ids.append(token_id)
+        before = self._decode(ids[self._prefix : self._read])
+        after = self._decode(ids[self._prefix :])
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return False  # no complete character yet
-        start = len(self.text)
-        self.text += after[len(before) :]
-        self._prefix, self._read = self._read, len(self._ids)
+        start = self.text_length
+        self._buf += after[len(before) :]
+        # The ids before the window of the next decode are never read again.
+        self._ids = ids[self._read :]
+        self._prefix, self._read = 0, len(self._ids)
         if not self._stop:
             return False
-        window = max(0, start - self._max_stop + 1)
-        hits = [(i, s) for i, s in ((self.text.find(s, window), s) for s in self._stop) if i >= 0]
+        base, buf = self._base, self._buf
+        window = max(0, start - self._max_stop + 1) - base  # >= 0: see take()
+        hits = [(i, s) for i, s in ((buf.find(s, window), s) for s in self._stop) if i >= 0]
         if hits:
             at, stop = min(hits)
-            self.text = self.text[: at + (len(stop) if self._include_stop else 0)]
+            self._buf = buf[: at + (len(stop) if self._include_stop else 0)]
             return True
         return False
 
     def _holdback(self) -> int:
         """Length of the longest text suffix that is a proper prefix of a stop string."""
-        for k in range(min(self._max_stop - 1, len(self.text)), 0, -1):
-            tail = self.text[-k:]
+        for k in range(min(self._max_stop - 1, self.text_length), 0, -1):
+            tail = self._buf[-k:]  # _buf holds at least the last _max_stop - 1 characters
             if any(s.startswith(tail) for s in self._stop):
                 return k
         return 0
 
     def take(self, final: bool = False) -> str:
         """Text not handed out yet; on `final`, everything left."""
-        upto = len(self.text) if final else len(self.text) - self._holdback()
+        length = self.text_length
+        upto = length if final else length - self._holdback()
         if upto <= self._emitted:
             return ""
-        delta = self.text[self._emitted : upto]
+        base = self._base
+        delta = self._buf[self._emitted - base : upto - base]
         self._emitted = upto
+        # Keep what a stop string found by a later add() could start in.
+        keep_from = max(base, upto - max(0, self._max_stop - 1))
+        self._buf = self._buf[keep_from - base :]
+        self._base = keep_from
         return delta

@@ -162,6 +162,11 @@ class _Request:
     # Prompt logprobs gathered chunk by chunk (first token: None), when asked for.
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
     grammar: GrammarState | None = None  # structured outputs: advanced by each sampled token
+    history: RowHistory = field(init=False)  # the penalties' view of seq's token lists
+
+    def __post_init__(self) -> None:
+        # The lists themselves (they grow in place), built once rather than every step.
+        self.history = RowHistory(self.seq.prompt_token_ids, self.seq.output_token_ids)
 
 
 @dataclass
@@ -612,7 +617,7 @@ class Engine:
         try:
             self._gather_prompt_logprobs(step.lay, logits[len(reqs) :], step.requests)
             params = [r.params for r in reqs]
-            history = [RowHistory(r.seq.prompt_token_ids, r.seq.output_token_ids) for r in reqs]
+            history = [r.history for r in reqs]
             processed = process(logits[: len(reqs)], params, history, self.eos_token_ids)
             processed = apply_masks(processed, step.masks)
             tokens = sample(processed, params, [r.generator for r in reqs])

@@ -149,6 +149,8 @@ class KVCacheManager:
         `prefix` (from match(), for a sequence with no table yet) puts those cached blocks
         first in the table, shared with whoever else holds them."""
         table = self._tables.get(seq_id)
+        if prefix is None and table is not None and len(table) * self.block_size >= num_tokens:
+            return True  # a decode inside its last block: the common case, nothing to take
         if prefix is not None and prefix.block_ids:
             if table:
                 raise ValueError(f"sequence {seq_id!r} already has blocks; a prefix starts a table")

@@ -189,15 +189,17 @@ class Scheduler:
 
         chunks: list[ScheduledChunk] = []
         scheduled: set[str] = set()
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in decodes + prefills:
+        # (sequence, tokens it has not computed), decodes (one token) before prefills
+        pending = [(s, s.num_tokens - s.num_computed_tokens) for s in self.running]
+        order = [p for p in pending if p[1] == 1] + [p for p in pending if p[1] > 1]
+        for seq, left in order:
             if budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.allocate(seq.seq_id, seq.num_computed_tokens + n):
+            n = min(left, budget)
+            start = seq.num_computed_tokens
+            while not self.kv.allocate(seq.seq_id, start + n):
                 victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -205,8 +207,7 @@ class Scheduler:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            end = seq.num_computed_tokens + n
-            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n, end == seq.num_tokens))
+            chunks.append(ScheduledChunk(seq, start, n, n == left))
             scheduled.add(seq.seq_id)
             budget -= n
 
