@@ -7,20 +7,15 @@ the C++ kernels."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from tests.unit.triton_attention_cases import CASES, build, model_steps
+from tests.unit.triton_interpret import interpreted_outputs
 from wattserve.kernels.attention import attention_reference
 
 pytest.importorskip("triton", reason="triton is not installed (the test extras pin it)")
 
-ROOT = Path(__file__).resolve().parents[2]
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-4),
     torch.float16: dict(atol=5e-3, rtol=5e-3),
@@ -29,17 +24,10 @@ TOL = {
 
 
 @pytest.fixture(scope="module")
-def outputs(tmp_path_factory) -> dict[str, torch.Tensor]:
-    out = tmp_path_factory.mktemp("triton") / "outputs.pt"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    subprocess.run(
-        [sys.executable, "-m", "tests.unit.triton_attention_cases", str(out)],
-        cwd=ROOT,
-        env=env,
-        check=True,
-        timeout=600,
+def outputs(tmp_path_factory) -> dict:
+    return interpreted_outputs(
+        "tests.unit.triton_attention_cases", tmp_path_factory.mktemp("triton")
     )
-    return torch.load(out)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -11,35 +11,22 @@ output's one rounding, costs |b| * 2^-7: the interpreter's float32 -> bf16 store
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.unit.triton_interpret import interpreted_outputs
 from tests.unit.triton_quant_cases import DTYPES, SHAPES, TOKENS, activations, weights
 from wattserve.kernels.quant import dequantize_int8, quantize_fp8, quantize_int8
 
 pytest.importorskip("triton", reason="triton is not installed (the test extras pin it)")
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("triton_quant") / "outputs.pt"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    subprocess.run(
-        [sys.executable, "-m", "tests.unit.triton_quant_cases", str(out)],
-        cwd=ROOT,
-        env=env,
-        check=True,
-        timeout=600,
+    return interpreted_outputs(
+        "tests.unit.triton_quant_cases", tmp_path_factory.mktemp("triton_quant")
     )
-    return torch.load(out)
 
 
 def _within(y: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> None:

@@ -5,14 +5,10 @@ Triton attention are test_triton_attention.py's."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from tests.unit.triton_interpret import interpreted_outputs
 from tests.unit.triton_rows_cases import (
     DTYPES,
     ROPE,
@@ -30,23 +26,15 @@ from wattserve.kernels.norm_rope import (
 
 pytest.importorskip("triton", reason="triton is not installed (the test extras pin it)")
 
-ROOT = Path(__file__).resolve().parents[2]
 # The kernels round once, in float32; torch's bf16 ops round each product.
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("triton_rows") / "outputs.pt"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    subprocess.run(
-        [sys.executable, "-m", "tests.unit.triton_rows_cases", str(out)],
-        cwd=ROOT,
-        env=env,
-        check=True,
-        timeout=600,
+    return interpreted_outputs(
+        "tests.unit.triton_rows_cases", tmp_path_factory.mktemp("triton_rows")
     )
-    return torch.load(out)
 
 
 @pytest.mark.parametrize("dname", sorted(DTYPES))
