@@ -486,13 +486,21 @@ class LlamaModel:
         lay = StepLayout()
         ids, pos, slots = lay.input_ids, lay.positions, lay.slots
         extra_rows: list[int] = []
+        plain_rows = not self.rope.length_dependent  # a position is its rope table row
         for c in chunks:
             table = tables[c.seq.seq_id]
             end = c.start + c.num_tokens
-            ids.extend(c.seq.token_ids(c.start, end))
-            positions = range(c.start, end)
-            pos.extend(self.rope.rows(c.start, end, len(c.seq.prompt_token_ids), c.seq.num_tokens))
-            slots.extend(table[p // bs] * bs + p % bs for p in positions)
+            if c.num_tokens == 1 and plain_rows:  # a decode: the common case, kept short
+                p, prompt, out = c.start, c.seq.prompt_token_ids, c.seq.output_token_ids
+                ids.append(prompt[p] if p < len(prompt) else out[p - len(prompt)])
+                pos.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            else:
+                ids.extend(c.seq.token_ids(c.start, end))
+                pos.extend(
+                    self.rope.rows(c.start, end, len(c.seq.prompt_token_ids), c.seq.num_tokens)
+                )
+                slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, end))
             lay.query_start.append(len(ids))
             lay.context_lens.append(end)
             lay.block_tables.append(table[: -(-end // bs)])
