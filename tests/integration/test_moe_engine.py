@@ -183,3 +183,22 @@ def routed_as(router_forward, experts: torch.Tensor, renormalize: bool, own: lis
         return logits, weights.to(logits.dtype), experts
 
     return forward
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_a_step_counts_the_weights_of_the_experts_it_ran(arch, moe_models):
+    # The virtual GPU prices a step by the bytes it reads: a decode at batch 1 reads top-k
+    # experts of each MoE layer, not all of them.
+    lm = moe_models[arch]
+    engine = Engine(lm, EngineOptions(kv_cache_bytes=8 * block_bytes(lm)), device=DEVICE)
+    steps = []
+    engine.add_step_hook(steps.append)
+    engine.generate([prompts(len(lm.tokenizer))[1]], SamplingParams(max_tokens=3, temperature=0))
+    blocks = [lw.mlp for lw in engine.model._active.layers if isinstance(lw.mlp, MoeBlock)]
+    assert blocks
+    every_expert = engine.model.weight_bytes()
+    spec = blocks[0].spec
+    decode = steps[-1]  # one token through every layer: at most top_k experts each
+    fewest = every_expert - len(blocks) * (spec.num_experts - 1) * blocks[0].expert_nbytes
+    most = every_expert - len(blocks) * (spec.num_experts - spec.top_k) * blocks[0].expert_nbytes
+    assert fewest <= decode.weight_bytes <= most < every_expert

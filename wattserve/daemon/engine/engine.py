@@ -180,6 +180,7 @@ class _Launched:
     logits: torch.Tensor | None = None  # None: the launch failed
     reqs: list[_Request] = field(default_factory=list)  # one per sampled row
     masks: torch.Tensor | None = None  # structured outputs' token masks of those rows
+    weight_bytes: int = 0  # what its forward read (a MoE step reads its routed experts)
 
 
 @dataclass
@@ -559,7 +560,7 @@ class Engine:
         for rid in aborts:  # after the step's tokens: an abort's event ends its stream
             if rid in self._requests:
                 self._finish(self._requests[rid], "abort")
-        stats = self._step_stats(launched.plan, launched.t0_s, now - launched.t0_s, finished)
+        stats = self._step_stats(launched, now - launched.t0_s, finished)
         for hook in self._hooks:
             hook(stats)
         return stats
@@ -596,6 +597,7 @@ class Engine:
             logits = self._graphs.run(lay) if self._graphs is not None else None
             if logits is None:  # prefill, mixed, or no graphs: eager
                 logits = self.model.forward(self.model.inputs_from(lay))
+            step.weight_bytes = self.model.step_weight_bytes(self._weight_bytes)
             reqs = [step.requests[c.seq.seq_id] for c in lay.sampled_chunks]
             # Before the logits are read: on a GPU this overlaps the forward still running.
             step.masks = self.grammars.fill_masks([r.grammar for r in reqs])
@@ -683,7 +685,8 @@ class Engine:
             return 0.0
         return max(0.0, self._last_step_start_s + interval_ms / 1000.0 - time.monotonic())
 
-    def _step_stats(self, plan: SchedulePlan, t0: float, dt: float, finished: int) -> StepStats:
+    def _step_stats(self, step: _Launched, dt: float, finished: int) -> StepStats:
+        plan, t0 = step.plan, step.t0_s
         decode = sum(1 for c in plan.chunks if c.num_tokens == 1)
         prefill = plan.num_tokens - decode
         ctx = sum(c.start + c.num_tokens for c in plan.chunks)
@@ -703,7 +706,7 @@ class Engine:
             kv_blocks_total=self.kv.num_blocks,
             num_preempted=len(plan.preempted),
             num_finished=finished,
-            weight_bytes=self._weight_bytes,
+            weight_bytes=step.weight_bytes or self._weight_bytes,
             kv_bytes_read=ctx * self._kv_bytes_per_token,
             quant_level=self.model.level,
         )

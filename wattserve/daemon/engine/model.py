@@ -464,6 +464,13 @@ class LlamaModel:
             total += self.embed.numel() * self.embed.element_size()
         return total
 
+    def step_weight_bytes(self, all_weights: int) -> int:
+        """Weight bytes the last forward read, from weight_bytes()'s `all_weights`: a MoE
+        layer's experts count only where tokens were routed to them (top-k of many)."""
+        blocks = [lw.mlp for lw in self._active.layers if isinstance(lw.mlp, MoeBlock)]
+        unread = sum((b.spec.num_experts - b.experts_run) * b.expert_nbytes for b in blocks)
+        return all_weights - unread
+
     def prepare(
         self,
         chunks: list[ScheduledChunk],

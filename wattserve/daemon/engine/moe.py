@@ -112,6 +112,8 @@ class MoeBlock:
         self.gate_up = gate_up
         self.down = down
         self.nbytes = sum(lin.nbytes for lin in self.linears)
+        self.expert_nbytes = gate_up[0].nbytes + down[0].nbytes  # one expert's matrices
+        self.experts_run = 0  # experts the last call ran (those with routed tokens)
 
     @property
     def linears(self) -> tuple[LinearLike, ...]:
@@ -133,6 +135,7 @@ class MoeBlock:
         # Stable, so that within an expert the rows keep token order (deterministic sums).
         order = flat_experts.argsort(stable=True)
         counts = torch.bincount(flat_experts, minlength=self.spec.num_experts).tolist()
+        self.experts_run = sum(1 for n in counts if n)
         rows = x.index_select(0, order // k)  # [T * k, hidden], grouped by expert
         outs = []
         start = 0
