@@ -121,3 +121,11 @@ def test_the_command_takes_a_level_and_its_budgets(capsys, monkeypatch):
     assert line["budgets"]["kernels_per_layer_decode"] == 16
     assert line["met"]["kernels_per_layer_decode"] and line["met"]["kernels_per_layer_mixed"]
     assert host.budgets(None) == host.BUDGETS  # bf16's stay the issue's
+
+
+def test_an_int4_level_on_cuda_keeps_a_bf16_head():
+    from wattserve.kernels.linear import Linear
+
+    _, model = host.build_model(1, torch.bfloat16, "int4")
+    head = model._active.lm_head
+    assert isinstance(head, Linear) and head.out_features == host.SHAPE["vocab_size"]

@@ -29,6 +29,7 @@ from wattserve.kernels.quant import (
     cuda_capability,
     dequantize_int4,
     dequantize_int8,
+    head_level,
     level_unavailable_reason,
     linear_nbytes,
     make_linear,
@@ -264,6 +265,13 @@ def test_level_availability_reasons():
     assert "bfloat16" in level_unavailable_reason("fp32", torch.bfloat16, "cpu")
     assert "CUDA" in level_unavailable_reason("fp8", torch.float32, "cpu")
     assert parse_level("int4").head_level == "int8"
+
+
+def test_int4_keeps_an_int8_head_on_the_cpu_and_a_bf16_head_on_cuda():
+    for name in ("int4", "int4-g128"):
+        assert head_level(parse_level(name), "cpu").name == "int8"
+        assert head_level(parse_level(name), "cuda").name == "bf16"
+    assert head_level(parse_level("int8"), "cuda").name == "int8"
 
 
 # ---- CUDA paths (run where a GPU is present) -------------------------------------------

@@ -112,8 +112,12 @@ def default_levels(device: torch.device | str) -> tuple[str, ...]:
     return ("fp32", "bf16", "int8", "int4")
 
 
-def head_level(level: QuantLevel) -> QuantLevel:
-    """The level the LM head is stored at under `level`."""
+def head_level(level: QuantLevel, device: torch.device | str = "cpu") -> QuantLevel:
+    """The level the LM head is stored at under `level` on `device`. On CUDA an int4 level
+    keeps a bf16 head: its logits pick every token, and the head is a small share of the
+    bytes a step reads at a batch's width; on the CPU int8 (the integer kernel's speed)."""
+    if level.kind == "int4" and torch.device(device).type == "cuda":
+        return parse_level("bf16")
     return parse_level(level.head_level) if level.head_level else level
 
 

@@ -421,7 +421,7 @@ class LlamaModel:
                     )
                 ]
                 head_w = hf.get_output_embeddings().weight.to(dev)
-                head = make_linear(head_w, None, head_level(spec), dtype)
+                head = make_linear(head_w, None, head_level(spec, dev), dtype)
             weights = LevelWeights(level, layers, head, _linear_bytes(layers, head))
             self._levels[level] = weights  # one dict store: visible whole or not at all
             return weights
@@ -452,7 +452,7 @@ class LlamaModel:
             + moe.num_experts * s.hidden_size * self.dtype.itemsize
             for moe in self.moe_specs
         )
-        head = linear_nbytes(s.vocab_size, s.hidden_size, head_level(spec), dev)
+        head = linear_nbytes(s.vocab_size, s.hidden_size, head_level(spec, dev), dev)
         return s.num_layers * attention + mlps + head
 
     def weight_bytes(self) -> int:
