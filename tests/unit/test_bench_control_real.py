@@ -4,6 +4,8 @@ the real engine's target. No engine runs."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from wattserve.bench.control_real import (
@@ -108,7 +110,7 @@ def test_real_targets_check_the_controller_against_max_clock_less_its_half_width
     assert b["static_cap_attainment_pct"] == 69.91 and not b["static_cap_reaches_bar"]
     s = got["steady60"]
     # 100 % against 100 % less its half-width: met; cheaper: met; no static_cap ran.
-    assert s["attainment_met"] and s["j_per_token_met"]
+    assert s["attainment_met"] and s["j_per_token_met"] and s["over_budget_met"]
     assert "static_cap_reaches_bar" not in s
     lines = describe_targets(got)
     assert len(lines) == 2 and "not met" in lines[0] and "under the bar" in lines[0]
@@ -120,3 +122,39 @@ def test_real_targets_fail_the_energy_check_when_the_controller_costs_more_or_ha
     got = real_targets({"a": over, "b": none})
     assert got["a"]["attainment_met"] and not got["a"]["j_per_token_met"]
     assert not got["b"]["j_per_token_met"]
+
+
+def test_real_targets_fail_the_budget_check_for_any_second_over():
+    over = {"controller": _row(200, 200, 0.60, over_s=0.1), "max_clock": _row(200, 200, 0.65)}
+    got = real_targets({"a": over})["a"]
+    assert got["j_per_token_met"] and got["over_budget_s"] == 0.1 and not got["over_budget_met"]
+    assert "0.1 s over budget (not met)" in describe_targets({"a": got})[0]
+
+
+def test_a_trace_has_each_sample_each_changed_decision_and_each_request(tmp_path):
+    from wattserve.bench.control import write_trace
+    from wattserve.sim.run import RunResult, Sample
+
+    steady = {"state": "tracking", "reason": "steady", "sm_clock_mhz": 945}
+    samples = [
+        Sample(0.1, 150.0, 300.0, 40.0, 1980, 2, 0, {"state": "learning", "sm_clock_mhz": 1980}),
+        Sample(0.2, 140.0, 300.0, 40.0, 945, 2, 0, steady),
+        Sample(0.3, 141.0, 300.0, 40.0, 945, 3, 1, dict(steady)),  # the same decision
+    ]
+    res = RunResult(
+        "s", "controller", [(0.05, 0.4, 0.05, 12), (0.25, None, None, 0)], samples, 42.0, 12, 0.3, 1
+    )
+    path = tmp_path / "t.jsonl"
+    write_trace(res, path)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    kinds = [x["kind"] for x in lines]
+    assert kinds == ["decision", "sample", "decision", "sample", "sample", "request", "request"]
+    assert lines[2]["state"] == "tracking" and lines[2]["t_s"] == 0.2
+    assert lines[4]["waiting"] == 1 and lines[4]["power_w"] == 141.0
+    assert lines[6] == {
+        "kind": "request",
+        "arrival_s": 0.25,
+        "ttft_s": None,
+        "tpot_s": None,
+        "output_tokens": 0,
+    }

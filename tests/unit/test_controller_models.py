@@ -581,7 +581,7 @@ def test_controller_params_route_flat_settings_to_their_groups():
     assert params.fallback.stale_hold_s == 1.0
     assert params.clock.clock_min_interval_s == ControllerParams().clock.clock_min_interval_s
     flat = params.flat()
-    assert len(flat) == 72 and flat["quant_dwell_s"] == 5.0
+    assert len(flat) == 82 and flat["quant_dwell_s"] == 5.0
     assert ControllerParams.of(**flat) == params
     with pytest.raises(TypeError, match="no_such_setting"):
         ControllerParams.of(no_such_setting=1.0)

@@ -31,7 +31,7 @@ STAGES: dict[str, tuple[str, ...]] = {
     # 1. measure: telemetry and engine stats -> the learned models -> the tick's Outlook
     "measure": ("learner", "outlook", "part"),
     # 2. constrain: each guard reads the Outlook and returns its bound and reason (or None)
-    "constrain": ("power_guard", "latency_guard"),
+    "constrain": ("power_guard", "latency_guard", "reference"),
     # 3. choose: each knob's timescale picks within the bounds
     "choose": ("pacing", "clock", "batch_caps", "quant"),
     # 4. actuate: the core runs the stages in order and clamps, records and returns the one

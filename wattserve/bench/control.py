@@ -205,6 +205,40 @@ def float_list(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"not a comma list of numbers: {text!r}") from None
 
 
+def write_trace(res, path: Path) -> None:
+    """One run's timeline as JSON lines: a `sample` per power sample (time, power, budget,
+    clock, queues), a `decision` whenever the system's knobs or reason change (all its
+    fields: state, reason, the prediction it chose), and a `request` per arrival."""
+    lines = []
+    last: dict | None = None
+    for x in res.samples:
+        if x.knobs and x.knobs != last:
+            lines.append({"kind": "decision", "t_s": round(x.t_s, 3), **x.knobs})
+            last = x.knobs
+        lines.append(
+            {
+                "kind": "sample",
+                "t_s": round(x.t_s, 3),
+                "power_w": round(x.power_w, 1),
+                "budget_w": x.budget_w,
+                "sm_clock_mhz": x.sm_clock_mhz,
+                "running": x.running,
+                "waiting": x.waiting,
+            }
+        )
+    for arrival, ttft, tpot, out in res.requests:
+        lines.append(
+            {
+                "kind": "request",
+                "arrival_s": round(arrival, 3),
+                "ttft_s": ttft,
+                "tpot_s": tpot,
+                "output_tokens": out,
+            }
+        )
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
 def shift_seeds(scenarios: dict[str, Scenario], offset: int) -> dict[str, Scenario]:
     """The same scenarios with every seed moved by `offset` (0: unchanged)."""
     return {name: replace(sc, seed=sc.seed + offset) for name, sc in scenarios.items()}
@@ -266,6 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         help="where the plots and per-scenario JSON go (default: <cache>/bench/control)",
     )
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="also write each run's timeline under --out (trace-<engine>-<scenario>-<system>"
+        ".jsonl: power and queues per sample, each decision when it changes, each request)",
+    )
     ap.add_argument(
         "--device-calibration",
         type=Path,
@@ -408,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"+-{c['half_width_pct']})"
                 )
             table.setdefault(name, {})[sys_name] = summary
+            if args.trace:
+                write_trace(res, args.out / f"trace-{args.engine}-{name}-{sys_name}.jsonl")
             results.append(res)
             if sys_name == "controller" and res.view is not None:
                 views[name] = res.view

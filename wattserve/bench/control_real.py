@@ -93,7 +93,8 @@ def attainment_interval(successes: int, count: int, confidence: float = 0.95) ->
 def real_targets(table: dict[str, dict[str, dict]]) -> dict[str, dict]:
     """Per scenario, the real engine's target checked: the controller's attainment at
     least max clock's less the half-width of max clock's interval (`attainment_met`), its
-    J/token at most max clock's (`j_per_token_met`). Max clock has no board limit, so on
+    J/token at most max clock's (`j_per_token_met`), no second over the budget
+    (`over_budget_met`). Max clock has no board limit, so on
     a load above the engine's capacity it buys attainment over the budget
     (`max_clock_over_budget_s`); where static_cap ran (the top clock, board limit at the
     budget, the engine's default caps), `static_cap_reaches_bar` says whether the top
@@ -115,6 +116,8 @@ def real_targets(table: dict[str, dict[str, dict]]) -> dict[str, dict]:
             "j_per_token": j,
             "max_clock_j_per_token": j_top,
             "j_per_token_met": j is not None and j_top is not None and j <= j_top,
+            "over_budget_s": ctl.get("over_budget_s"),
+            "over_budget_met": ctl.get("over_budget_s") == 0,
             "max_clock_over_budget_s": top.get("over_budget_s"),
         }
         cap = rows.get("static_cap")
@@ -133,7 +136,8 @@ def describe_targets(targets: dict[str, dict]) -> list[str]:
             f"{name:>12} target: attainment {t['attainment_pct']}% against "
             f"{t['attainment_bar_pct']}% ({'met' if t['attainment_met'] else 'not met'}), "
             f"J/token {t['j_per_token']} against max clock's {t['max_clock_j_per_token']} "
-            f"({'met' if t['j_per_token_met'] else 'not met'}); max clock "
+            f"({'met' if t['j_per_token_met'] else 'not met'}); {t['over_budget_s']} s over "
+            f"budget ({'met' if t['over_budget_met'] else 'not met'}); max clock "
             f"{t['max_clock_over_budget_s']} s over budget"
         )
         if "static_cap_reaches_bar" in t:

@@ -24,6 +24,7 @@ from wattserve.controller.params import ControllerParams
 from wattserve.controller.policy import ControlMode, Knobs, Policy, allowed_quant_levels
 from wattserve.controller.power_guard import PowerGuard
 from wattserve.controller.quant import QuantTimescale
+from wattserve.controller.reference import ReferenceCheck
 from wattserve.controller.signals import (
     DeviceConstraints,
     EngineConstraints,
@@ -47,6 +48,12 @@ __all__ = [
     "Reason",
     "candidate_clocks",
 ]
+
+
+_INFEASIBLE = (
+    "no candidate predicted to meet every target: the reference's prefill chunk, unpaced, at "
+    "the clock with the most headroom within the budget"
+)
 
 
 class Controller:
@@ -118,6 +125,7 @@ class Controller:
         self.counters = ControllerCounters()
         self.state = ControllerState.LEARNING
         self._knobs = self.limits.clamp(initial_knobs)
+        self.reference = ReferenceCheck(self.limits, self.learner)
         self._manual_knobs: Knobs | None = None
         self._last_safe = self._knobs
         self._seq = 0
@@ -172,6 +180,8 @@ class Controller:
         """Learn from one observation and decide every knob."""
         self._now_s = now_s
         self.learn(telemetry, stats, now_s)
+        if self._policy.mode == ControlMode.AUTO:
+            self.reference.note(telemetry, stats, self._knobs, self._policy, self.outlook(), now_s)
         budget_w = self.power_guard.effective_budget_w(telemetry, self._policy.power_budget_w)
         choice = self._choose(telemetry, stats, now_s, budget_w)
         return self._finish(choice, now_s, budget_w, telemetry)
@@ -203,6 +213,7 @@ class Controller:
                 for level, m in self.learner.step_models.items()
             },
             "power_samples": self.learner.power.samples,
+            "reference": self.reference.status(),
             # What bench quant's table says of each level, and which the quality limit allows.
             "quant_levels": {
                 o.level: {
@@ -293,6 +304,7 @@ class Controller:
             self.latency_guard.release_floor()  # power wins over latency
             return guarded
         ceiling = self.power_guard.active_ceiling(outlook, power_w, budget_w, telemetry.gpu_temp_c)
+        reference = self.reference.knobs(base, ceiling, outlook, budget_w)
 
         allowed = self._allowed_levels()
         level = base.quant_level or self.engine.full_precision_level
@@ -328,27 +340,35 @@ class Controller:
             )
 
         step_model = self.learner.step_model(level)
-        power_model = self.learner.power
 
         # 5. Idle: the lowest clock whose TTFT for the next arrival meets the SLO.
-        idle_now = stats.num_running == 0 and stats.num_waiting == 0 and not stats.steps
-        if not idle_now:
-            self._idle_since_s = None
-        elif self._idle_since_s is None:
-            self._idle_since_s = now_s
-        if idle_now and now_s - self._idle_since_s >= p.fallback.idle_after_s:
+        if self._idle_for(stats, now_s) >= p.fallback.idle_after_s:
             return self.clock.idle(base, step_model, workload, outlook, ceiling)
 
         # 6. Learning: too little data to trust the models; the highest clock the budget allows.
-        learning = (
+        if (
             step_model.samples < p.learning.learning_min_steps
-            or power_model.samples < p.learning.learning_min_power_samples
-        )
-        if learning:
+            or self.learner.power.samples < p.learning.learning_min_power_samples
+        ):
             return self._learning(base, level, ceiling)
 
-        # 7. Tracking: least predicted J/token meeting the SLOs, on three timescales.
-        return self._track(base, allowed, workload, telemetry, outlook, budget_w, ceiling)
+        # 7. Not measured ahead of the reference: the reference runs.
+        if (why := self.reference.holding(now_s)) is not None:
+            return Choice(ControllerState.REFERENCE, reference, Reason.REFERENCE, why)
+
+        # 8. Tracking: least predicted J/token meeting the SLOs, on three timescales.
+        return self._track(
+            base, allowed, workload, telemetry, outlook, budget_w, ceiling, reference
+        )
+
+    def _idle_for(self, stats: EngineStats, now_s: float) -> float:
+        """How long nothing has run or waited (0 when something does now)."""
+        if stats.num_running or stats.num_waiting or stats.steps:
+            self._idle_since_s = None
+            return 0.0
+        if self._idle_since_s is None:
+            self._idle_since_s = now_s
+        return now_s - self._idle_since_s
 
     def _stale(
         self, telemetry: Telemetry | None, current: Knobs, now_s: float, budget_w: float
@@ -517,10 +537,10 @@ class Controller:
         outlook: Outlook,
         budget_w: float,
         ceiling: int | None,
+        reference: Knobs,
     ) -> Choice:
-        """The timescales, slowest first: the quantization level (a switch or a trial is
-        the whole decision), the batch caps, the clock (with a shorter decode interval),
-        then a longer decode interval."""
+        """The timescales, slowest first: the level (a switch or a trial decides alone), the
+        batch caps, the clock (a shorter decode interval with it), a longer interval."""
         now_s = outlook.now_s
         temp = telemetry.gpu_temp_c
         level = base.quant_level or self.engine.full_precision_level
@@ -547,8 +567,11 @@ class Controller:
         notes = [caps_note] if caps_note is not None else []
         code = Reason.OPTIMIZE if caps_note is not None else Reason.STEADY
         move = self.clock.step(knobs, code, level, workload, temp, outlook, budget_w, ceiling)
-        knobs, code, chosen = move.knobs, move.code, move.chosen
+        knobs, code, chosen, seqs = move.knobs, move.code, move.chosen, move.knobs.max_num_seqs
         notes += move.notes
+        if code is Reason.INFEASIBLE:  # nothing dearer than the reference: its chunk, unpaced
+            knobs = reference.with_changes(sm_clock_mhz=knobs.sm_clock_mhz, max_num_seqs=seqs)
+            return Choice(ControllerState.TRACKING, knobs, code, _INFEASIBLE, chosen)
         if move.interval_moved:
             self.pacing.note_interval_moved(now_s, move.interval_shortened_for_targets)
         elif (lull := self.pacing.lull(now_s)) or self.pacing.crowded():

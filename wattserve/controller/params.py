@@ -310,6 +310,44 @@ class FallbackParams:
 
 
 @dataclass(frozen=True)
+class ReferenceParams:
+    """The reference check (read by it): epochs of reference_epoch_s (an epoch with fewer
+    than reference_epoch_min_tokens output tokens is dropped); the reference runs until it
+    has reference_min_epochs epochs; a verdict needs reference_verdict_epochs of the
+    controller's since it took over (its first one, the move away from the reference, not
+    counted); the last reference_epochs_kept of each kind are compared; the controller must
+    be ahead by reference_z standard errors, or the reference holds for reference_hold_s,
+    doubled each time in a row up to reference_hold_max_s. Behind on energy alone holds
+    only once the run's energy above the reference's exceeds reference_allowance x the
+    reference's (counted over reference_allowance_horizon_s at least; the controller's room
+    to explore; banked savings count up to as much)."""
+
+    reference_epoch_s: float = 2.0
+    reference_epoch_min_tokens: int = 32
+    reference_min_epochs: int = 1
+    reference_verdict_epochs: int = 4
+    reference_epochs_kept: int = 8
+    reference_z: float = 1.0
+    reference_allowance: float = 0.01
+    reference_allowance_horizon_s: float = 300.0
+    reference_hold_s: float = 10.0
+    reference_hold_max_s: float = 160.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "reference_epoch_s", "reference_hold_s", "reference_z")
+        if self.reference_allowance < 0 or self.reference_allowance_horizon_s < 0:
+            raise ValueError("ControllerParams: reference_allowance and _horizon_s must be >= 0")
+        least, most = self.reference_min_epochs, self.reference_epochs_kept
+        if least < 1 or not max(least, 2) <= self.reference_verdict_epochs <= most:
+            raise ValueError(
+                "ControllerParams: 1 <= reference_min_epochs, 2 <= reference_verdict_epochs, "
+                "both <= reference_epochs_kept"
+            )
+        if self.reference_hold_max_s < self.reference_hold_s:
+            raise ValueError("ControllerParams.reference_hold_max_s must be >= reference_hold_s")
+
+
+@dataclass(frozen=True)
 class ControllerParams:
     """The controller's tuning, one group per part that reads it (each group's docstring
     says what its settings do). Build it from flat setting names with `of`."""
@@ -325,6 +363,7 @@ class ControllerParams:
     latency_guard: LatencyGuardParams = field(default_factory=LatencyGuardParams)
     power_guard: PowerGuardParams = field(default_factory=PowerGuardParams)
     fallback: FallbackParams = field(default_factory=FallbackParams)
+    reference: ReferenceParams = field(default_factory=ReferenceParams)
 
     @classmethod
     def of(cls, **settings: Any) -> ControllerParams:

@@ -25,6 +25,7 @@ class ControllerState(StrEnum):
     any      -- waiting queue grows / measured SLO miss (auto, observe) -> GUARD_LATENCY
     any      -- nothing running or waiting for idle_after_s ----------> IDLE
     any      -- too few samples for the models at this level ---------> LEARNING
+    any      -- not measured ahead of the reference (ReferenceCheck) --> REFERENCE
     otherwise ---------------------------------------------------------> TRACKING
     """
 
@@ -36,6 +37,7 @@ class ControllerState(StrEnum):
     HOLD = "hold"
     FALLBACK = "fallback"
     MANUAL = "manual"
+    REFERENCE = "reference"
 
 
 class Reason(StrEnum):
@@ -61,6 +63,9 @@ class Reason(StrEnum):
     # A descent (a lower clock or a longer decode interval) whose measured latencies came
     # near the SLO before it had earned its way: reverted, the lower setting barred.
     DESCENT_REVERTED = "guard_descent_reverted"
+    # Not measured ahead of the reference configuration (or not yet measured against it):
+    # the reference runs.
+    REFERENCE = "reference"
 
 
 @dataclass(frozen=True)

@@ -186,8 +186,22 @@ class Controlled(System):
             "quant_level": self.engine.quant_level,
             "state": d.state.value,
             "reason_code": d.reason_code.value,
+            "reason": d.reason,
             "effective_budget_w": d.effective_budget_w,
+            **_predicted(d.prediction),
         }
+
+
+def _predicted(pr) -> dict:
+    """A decision's prediction for the timeline: what the models expected of the knobs."""
+    if pr is None:
+        return {}
+    return {
+        "predicted_j_per_token": _rounded(pr.j_per_token, 4),
+        "predicted_power_w": _rounded(pr.power_w, 1),
+        "predicted_ttft_ms": _rounded(pr.ttft_ms, 1),
+        "predicted_tpot_ms": _rounded(pr.tpot_ms, 1),
+    }
 
 
 def _rounded(x: float, digits: int) -> float | None:
