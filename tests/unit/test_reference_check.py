@@ -71,6 +71,19 @@ def reference_and_lower(ctl: Controller) -> tuple[Knobs, Knobs]:
     return ref, ref.with_changes(sm_clock_mhz=1020)
 
 
+def ten_seconds_each(power_w: float, ttft_s: float = 0.5) -> tuple[Controller, Ledger, Knobs]:
+    """A trained controller's ledger after 10 s of the reference at 200 W, then 10 s of a
+    lower clock at power_w with the same tokens (the switch back ends its last epoch);
+    the controller, the ledger and the lower clock's knobs."""
+    ctl, plant = trained()
+    ref, lower = reference_and_lower(ctl)
+    ledger = Ledger(ctl, plant.t_s)
+    ledger.feed(ref, 200.0, 10)
+    ledger.feed(lower, power_w, 10, ttft_s=ttft_s)
+    ledger.feed(ref, 200.0, 0.25)
+    return ctl, ledger, lower
+
+
 def test_the_reference_is_the_top_clock_the_budget_allows_the_largest_caps_and_no_pacing():
     ctl, _ = trained()
     ref = reference_knobs(ctl, Knobs(8, 64, "fp32", 900, 300.0, 40.0))
@@ -107,12 +120,7 @@ def test_a_controller_that_spends_more_per_token_is_held_on_the_reference():
 
 
 def test_a_controller_measured_well_ahead_keeps_control():
-    ctl, plant = trained()
-    ref, lower = reference_and_lower(ctl)
-    ledger = Ledger(ctl, plant.t_s)
-    ledger.feed(ref, 200.0, 10)
-    ledger.feed(lower, 130.0, 10)
-    ledger.feed(ref, 200.0, 0.25)
+    ctl, ledger, _ = ten_seconds_each(130.0)
     v = ctl.reference.state.verdict
     assert v is not None and v.ahead and 0.6 < v.j_ratio < 0.7
     assert ctl.reference.holding(ledger.t_s) is None
@@ -120,12 +128,7 @@ def test_a_controller_measured_well_ahead_keeps_control():
 
 
 def test_cheaper_tokens_with_more_slo_misses_are_not_ahead():
-    ctl, plant = trained()
-    ref, lower = reference_and_lower(ctl)
-    ledger = Ledger(ctl, plant.t_s)
-    ledger.feed(ref, 200.0, 10)
-    ledger.feed(lower, 130.0, 10, ttft_s=5.0)  # every first token over the 2 s SLO
-    ledger.feed(ref, 200.0, 0.25)
+    ctl, _, _ = ten_seconds_each(130.0, ttft_s=5.0)  # every first token over the 2 s SLO
     v = ctl.reference.state.verdict
     assert v is not None and v.j_ratio < 0.7 and v.miss_controlled > v.miss_reference
     assert not v.ahead
@@ -196,12 +199,7 @@ def test_where_nothing_is_predicted_to_meet_the_targets_the_reference_runs():
 def test_a_controller_slightly_behind_keeps_control_within_the_runs_allowance():
     # 0.5 % more energy per token: not ahead, but the run's energy above the reference
     # stays within reference_allowance (1 %) of the reference's: no hold yet.
-    ctl, plant = trained()
-    ref, lower = reference_and_lower(ctl)
-    ledger = Ledger(ctl, plant.t_s)
-    ledger.feed(ref, 200.0, 10)
-    ledger.feed(lower, 201.0, 10)
-    ledger.feed(ref, 200.0, 0.25)
+    ctl, ledger, lower = ten_seconds_each(201.0)
     v = ctl.reference.state.verdict
     assert v is not None and not v.energy_ahead and v.latency_ahead
     assert ctl.reference.state.excess_j > 0 and ctl.reference.allowance_left_j() > 0
