@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from wattserve.controller.learner import Learner
@@ -241,11 +242,11 @@ class ReferenceCheck(Part):
         what the controller spent above that. Banked savings count up to the allowance."""
         s, p = self.state, self.params.reference
         means = self.learner.workload.current()
-        qr = [x for e in s.reference_epochs if (x := self.q(e, outlook, means)) is not None]
+        lr = _logs(self.q(e, outlook, means) for e in s.reference_epochs)
         q = self.q(ep, outlook, means)
-        if not qr or q is None or q <= 0:
+        if not lr or q is None or q <= 0:
             return
-        estimate_j = ep.energy_j / q * math.exp(sum(math.log(x) for x in qr) / len(qr))
+        estimate_j = ep.energy_j / q * math.exp(sum(lr) / len(lr))
         s.reference_j += estimate_j
         s.excess_j = max(
             s.excess_j + ep.energy_j - estimate_j, -p.reference_allowance * s.reference_j
@@ -294,13 +295,12 @@ class ReferenceCheck(Part):
         means = self.learner.workload.current()
         qc = [self.q(ep, outlook, means) for ep in s.controlled_epochs]
         qr = [self.q(ep, outlook, means) for ep in s.reference_epochs]
-        if any(x is None for x in qc + qr):
+        if None in qc or None in qr:
             return None
         # In logs, with one spread pooled over both kinds (an epoch's relative noise is
         # the load's, whoever runs): a few reference epochs then do not make the
         # uncertainty whatever their own two or three values happen to spread.
-        lc = [math.log(x) for x in qc if x > 0]  # type: ignore[operator]
-        lr = [math.log(x) for x in qr if x > 0]  # type: ignore[operator]
+        lc, lr = _logs(qc), _logs(qr)
         if len(lc) < 2 or not lr:
             return None
         mc, mr = sum(lc) / len(lc), sum(lr) / len(lr)
@@ -358,3 +358,8 @@ class ReferenceCheck(Part):
                 "reference_miss_share": round(v.miss_reference, 4),
             },
         }
+
+
+def _logs(qs: Iterable[float | None]) -> list[float]:
+    """The log of each q there is and that is above 0 (the others left out)."""
+    return [math.log(x) for x in qs if x is not None and x > 0]
