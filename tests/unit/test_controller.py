@@ -1625,3 +1625,51 @@ def test_a_start_level_a_wrong_table_ranked_first_is_left_for_the_level_loaded()
     assert tried and tried[0].knobs.quant_level == "fp32"
     i = decisions.index(tried[0])
     assert all(d.knobs.quant_level == "fp32" for d in decisions[i:])
+
+
+def test_a_calm_trial_runs_where_the_level_before_has_room_for_the_slowdown_it_tolerates():
+    # A never-run level may take quant_trial_slowdown_max x the level before's steps
+    # before its verdict; near saturation that stretches TTFT far more than in proportion.
+    # So a calm trial starts no lower than the clock where the level before would still
+    # meet the targets with its steps that much slower.
+    from wattserve.controller.models import StepTimeModel
+    from wattserve.controller.quant import _Ask
+
+    ctl = make_controller()
+    learn_only(ctl, Plant(compute_share=0.5, decode_rate_tok_s=5.0, prompt_rate_tok_s=100.0), 120)
+    model = StepTimeModel(1980)  # steps 60 % compute-bound, learned at five clocks
+    rng = random.Random(1)
+    for _ in range(800):
+        f = rng.choice((1980, 1500, 1000, 600, 345))
+        prefill = rng.choice((0, 0, 32, 64, 128, 256))
+        decode = rng.randint(1, 12)
+        t = (0.02 + 0.0008 * prefill + 0.004 * decode) * (0.4 + 0.6 * 1980 / f)
+        model.learn(StepRecord(0.0, t, prefill, decode, decode * 200, "fp32", f), f)
+    ctl.learner.step_models["fp32"] = model
+    load = dataclasses.replace(
+        ctl.learner.workload.current(),
+        request_rate_per_s=1.0,
+        prompt_tokens_per_s=150.0,
+        output_tokens_per_s=30.0,
+        mean_prompt_tokens=150.0,
+        prefill_time_share=None,
+    )
+    o = ctl.outlook()
+    slow = ctl.params.quant.quant_trial_slowdown_max
+
+    def room(clock: int, scale: float) -> bool:
+        return o.feasible(o.predict("fp32", clock, 64, 256, load, None, step_scale=scale), 400.0)
+
+    def trial_clock(clock: int) -> int | None:
+        ask = _Ask(Knobs(64, 256, "fp32", clock), "fp32", load, None, o, 400.0, None)
+        return ctl.quant._trial_clock(ask, 256)
+
+    # 645 MHz meets the targets, but not with steps 1.25x longer: the trial runs higher,
+    # at the lowest clock that has that room.
+    assert room(645, 1.0) and not room(645, slow)
+    raised = trial_clock(645)
+    assert raised > 645 and room(raised, slow)
+    below = [f for f in ctl.limits.clocks_mhz if 645 <= f < raised]
+    assert not any(room(f, slow) for f in below)
+    # Where the room is there already, the trial keeps the clock in force.
+    assert room(1230, slow) and trial_clock(1230) == 1230

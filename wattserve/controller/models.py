@@ -126,6 +126,18 @@ class StepCoefficients:
         )
         return max(t, 1e-6)
 
+    def scaled(self, factor: float) -> StepCoefficients:
+        """Every cost `factor` times longer (a level's steps that much slower)."""
+        if factor == 1.0:
+            return self
+        return StepCoefficients(
+            self.base_s * factor,
+            self.per_prefill_token_s * factor,
+            self.per_decode_token_s * factor,
+            self.per_context_token_s * factor,
+            self.per_prefill_token_sq_s * factor,
+        )
+
     def prompt_s(self, chunking: Chunking, decode: float, context: float) -> float:
         """The steps a mean prompt's chunks take (each beside `decode` tokens reading
         `context`): a step's fixed and decode costs per chunk, the linear prefill cost on
@@ -765,6 +777,7 @@ def predict(
     ttft_ratio: float,
     tpot_ratio: float,
     decode_interval_s: float = 0.0,
+    step_scale: float = 1.0,
 ) -> Prediction:
     """Steady-state prediction for continuous batching under `workload`.
 
@@ -785,7 +798,7 @@ def predict(
     each of which reads the weights once.
     """
     w = workload
-    co = step_model.coefficients(clock_mhz, w.mean_context_tokens)
+    co = step_model.coefficients(clock_mhz, w.mean_context_tokens).scaled(step_scale)
     t, stable = _unpaced_step_s(co, w, max_num_batched_tokens)
     paced = decode_interval_s > t and not w.is_idle
     period = t  # the mean time between a request's tokens

@@ -54,8 +54,10 @@ class Outlook:
         workload: Workload,
         temp_c: float | None,
         interval_ms: float | None = None,
+        step_scale: float = 1.0,
     ) -> Prediction:
-        """interval_ms: the decode pacing interval (None: the one in force)."""
+        """interval_ms: the decode pacing interval (None: the one in force); step_scale:
+        every step that many times the level's model (a trial's worst tolerated case)."""
         if interval_ms is None:
             interval_ms = self.interval_ms
         return predict(
@@ -70,6 +72,7 @@ class Outlook:
             ttft_ratio=self.ttft_ratio(),
             tpot_ratio=self.tpot_ratio(),
             decode_interval_s=interval_ms / 1000.0,
+            step_scale=step_scale,
         )
 
     def feasible(self, pr: Prediction, budget_w: float, tighten: float = 1.0) -> bool:

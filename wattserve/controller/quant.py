@@ -610,6 +610,11 @@ class QuantTimescale(Part):
             s.probe_chunk_from = base.max_num_batched_tokens
             knobs = knobs.with_changes(max_num_batched_tokens=probe)
             note = f"; chunk {base.max_num_batched_tokens} -> {probe} until its first steps"
+        if not stuck:
+            clock = self._trial_clock(ask, knobs.max_num_batched_tokens)
+            if clock != base.sm_clock_mhz:
+                knobs = knobs.with_changes(sm_clock_mhz=clock)
+                note += f"; clock {base.sm_clock_mhz} -> {clock} MHz while it is judged"
         return Choice(
             ControllerState.TRACKING,
             knobs,
@@ -619,6 +624,26 @@ class QuantTimescale(Part):
             + ("; the current level cannot meet the targets" if stuck else "")
             + note,
         )
+
+    def _trial_clock(self, ask: _Ask, chunk: int) -> int | None:
+        """The clock a calm trial runs at: the lowest, from the one in force up, at which
+        the level before would still meet the targets if its steps took
+        quant_trial_slowdown_max x its model (the most a trial's verdict lets pass, at the
+        trial's first chunk); else the highest the budget allows. A never-run level may be
+        that much slower before its verdict, and at a clock chosen for the level before
+        with no room to spare the requests of those seconds would pay for it."""
+        o, base, here = ask.outlook, ask.base, ask.base.sm_clock_mhz
+        slow = self.params.quant.quant_trial_slowdown_max
+        start = here or self.limits.top_mhz
+        clocks = [f for f in o.clock_range(ask.level, ask.ceiling) if f >= start]
+        for f in clocks:
+            pr = o.predict(
+                ask.level, f, base.max_num_seqs, chunk, ask.workload, ask.temp, step_scale=slow
+            )
+            if o.feasible(pr, ask.budget_w):
+                return here if f == start else f
+        top = min(clocks[-1] if clocks else start, o.safe_clock(ask.budget_w, ask.temp))
+        return top if top > start else here
 
     # ---- comparisons ----------------------------------------
 
