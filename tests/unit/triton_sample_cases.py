@@ -21,8 +21,8 @@ SMALL = torch.tensor([0.9, -1.5, 2.0, 0.2, 1.6, -0.8, 1.1, -2.5, 0.5, -0.3])
 DRAWS = {
     "top_k": (1.0, 3, 1.0, 0.0, 60),
     "top_p": (1.0, 0, 0.75, 0.0, 60),
-    "mixed": (0.8, 6, 0.85, 0.05, 100),
-    "min_p": (0.6, 0, 1.0, 0.1, 600),
+    "mixed": (0.8, 6, 0.85, 0.05, 80),
+    "min_p": (0.6, 0, 1.0, 0.1, 400),
 }
 VOCAB = 3000
 # rows of the large batch: (temperature, top_k, top_p, min_p, seed, step), None: failing
