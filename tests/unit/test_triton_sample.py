@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.unit.triton_interpret import interpreted_outputs
 from tests.unit.triton_sample_cases import (
@@ -113,3 +115,42 @@ def test_a_rows_token_depends_on_its_seed_and_step_not_its_batch(outputs):
 def test_device_ids_is_none_where_triton_does_not_run():
     params = [SamplingParams(temperature=0.7, seed=1)]
     assert device_ids(torch.zeros(1, 8), params, [0]) is None
+
+
+class _Ops(TorchDispatchMode):
+    """The ops dispatched, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+_VIEWS = {"aten.view.dtype", "aten.view.default", "aten.slice.Tensor", "aten.select.int"}
+_VIEWS |= {"aten.detach.default", "prim.device.default", "aten.lift_fresh.default"}
+
+
+@pytest.mark.parametrize("steps_on_device", [False, True])
+def test_device_ids_uploads_once_and_launches_once_on_a_fake_cuda(steps_on_device):
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=3),
+        SamplingParams(top_k=5, min_p=0.1, seed=2**64 + 3),  # seeds wrap to 64 bits
+    ]
+    with FakeTensorMode():
+        logits = torch.empty(3, 500, device="cuda")
+        steps = torch.zeros(3, dtype=torch.long, device="cuda") if steps_on_device else [0, 4, 9]
+        with _Ops() as ops:
+            ids = device_ids(logits, params, steps)
+    assert ids is not None and ids.shape == (3,) and ids.dtype == torch.long
+    assert ids.device.type == "cuda"
+    work = [name for name in ops.names if name not in _VIEWS]
+    # the host packs the parameters (one cat), one copy uploads them, one launch samples
+    assert work == [
+        "aten.cat.default",
+        "aten._to_copy.default",
+        "wattserve.triton_sample_ids.default",
+    ]

@@ -47,9 +47,9 @@ def device_ids(
     # One upload: the 64-bit columns first, so every column's byte offset suits its dtype.
     host = torch.cat(
         [
-            torch.tensor(int64s, dtype=torch.int64).view(torch.uint8).flatten(),
-            torch.tensor(floats, dtype=torch.float32).view(torch.uint8).flatten(),
-            torch.tensor(top_k, dtype=torch.int32).view(torch.uint8),
+            torch.tensor(int64s, dtype=torch.int64, device="cpu").view(torch.uint8).flatten(),
+            torch.tensor(floats, dtype=torch.float32, device="cpu").view(torch.uint8).flatten(),
+            torch.tensor(top_k, dtype=torch.int32, device="cpu").view(torch.uint8),
         ]
     )
     dev = host.to(logits.device, non_blocking=True)
