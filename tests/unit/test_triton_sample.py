@@ -154,3 +154,27 @@ def test_device_ids_uploads_once_and_launches_once_on_a_fake_cuda(steps_on_devic
         "aten._to_copy.default",
         "wattserve.triton_sample_ids.default",
     ]
+
+
+def test_the_kernel_compiles_for_sm90():
+    """Compiled ahead of time for the H100/H200 (sm_90) with triton's bundled ptxas: the
+    interpreter runs the numerics but not the compiler's type rules (the search loops'
+    carried values keep their types)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from wattserve.kernels.triton_sample import _sample_kernel, kernel_config
+
+    constexprs, num_warps = kernel_config(151_936)
+    signature = {"logits": "*fp32", "temperature": "*fp32", "top_k": "*i32"}
+    signature |= {"top_p": "*fp32", "min_p": "*fp32", "seed": "*i64", "step": "*i64"}
+    signature |= {"ids_out": "*i64", "logprob_out": "*fp32", "stride": "i32", "vocab": "i32"}
+    signature |= {name: "constexpr" for name in constexprs}
+    compiled = triton.compile(
+        ASTSource(_sample_kernel, signature, constexprs),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=num_warps),
+    )
+    assert compiled.asm["cubin"]  # through ptxas to a binary
+    assert compiled.metadata.shared <= 227 * 1024  # fits an H100/H200 SM's shared memory

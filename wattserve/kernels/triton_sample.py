@@ -215,12 +215,19 @@ _PROBES = 16
 _SEARCH_BLOCK = 256
 
 
+def kernel_config(vocab: int) -> tuple[dict[str, int], int]:
+    """The kernel's constexprs and num_warps for rows of `vocab` logits."""
+    block = min(triton.next_power_of_2(vocab), _BLOCK_MAX)
+    constexprs = dict(BLOCK=block, SEARCH_BLOCK=min(block, _SEARCH_BLOCK), PROBES=_PROBES)
+    return constexprs, 8 if block >= 2048 else 4
+
+
 def _sample_ids(logits, temperature, top_k, top_p, min_p, seed, step):
     n, vocab = logits.shape
     ids = torch.empty(n, dtype=torch.long, device=logits.device)
     logprob = torch.empty(n, dtype=torch.float32, device=logits.device)
     if n:
-        block = min(triton.next_power_of_2(vocab), _BLOCK_MAX)
+        constexprs, num_warps = kernel_config(vocab)
         _sample_kernel[(n,)](
             logits,
             temperature,
@@ -233,10 +240,8 @@ def _sample_ids(logits, temperature, top_k, top_p, min_p, seed, step):
             logprob,
             logits.stride(0),
             vocab,
-            BLOCK=block,
-            SEARCH_BLOCK=min(block, _SEARCH_BLOCK),
-            PROBES=_PROBES,
-            num_warps=8 if block >= 2048 else 4,
+            num_warps=num_warps,
+            **constexprs,
         )
     return ids, logprob
 
