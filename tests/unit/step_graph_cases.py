@@ -33,6 +33,8 @@ TABLES = {
     "d": [8, 10, 12, 13, 14, 16, 17],
 }
 PROMPT_TOKENS = {"a": 7, "b": 12, "c": 17, "d": 22}
+# The steps compared under the Triton interpreter (slow): one chunk, four, a decode.
+TRITON_STEPS = frozenset({"prefill_1_chunk", "mixed_4_chunks", "decode"})
 
 
 def _plans() -> list[tuple[str, list[tuple[str, int, bool]]]]:
@@ -47,10 +49,13 @@ def _plans() -> list[tuple[str, list[tuple[str, int, bool]]]]:
     ]
 
 
-def steps_padded_and_eager(backend: str, window: int | None = None) -> dict[str, dict]:
-    """Per step: eager and padded logits, and the real blocks of the KV pool after each."""
+def steps_padded_and_eager(
+    backend: str, window: int | None = None, only: frozenset[str] | None = None
+) -> dict[str, dict]:
+    """Per step: eager and padded logits, and the real blocks of the KV pool after each.
+    only: the steps to compare (None: all); the others just fill the cache, eagerly with
+    the C++ kernels."""
     model = LlamaModel(tiny_hf_llama(weight_std=0.15), 24, BLOCK_SIZE, torch.float32, "cpu")
-    model.attention_backend = backend
     if window is not None:
         model.sliding_windows = [window] * model.shape.num_layers
     seqs = {
@@ -62,7 +67,12 @@ def steps_padded_and_eager(backend: str, window: int | None = None) -> dict[str,
     real = model.num_blocks  # the pad block is the last one
     for name, plan in _plans():
         chunks = [ScheduledChunk(seqs[s], done[s], n, sample) for s, n, sample in plan]
+        compared = only is None or name in only
+        model.attention_backend = backend if compared else "cpp"
         lay = model.layout(chunks, TABLES)
+        if not compared:
+            _commit(chunks, lay, model.forward(model.inputs_from(lay)), done)
+            continue
         before = [t.clone() for t in model.k_cache + model.v_cache]
         eager = model.forward(model.inputs_from(lay))
         kv_eager = torch.stack([t[:real] for t in model.k_cache + model.v_cache])
@@ -83,11 +93,15 @@ def steps_padded_and_eager(backend: str, window: int | None = None) -> dict[str,
             kv_padded=kv_padded,
             bucket=(kind, tokens, width, rows),
         )
-        for c in chunks:
-            done[c.seq.seq_id] += c.num_tokens
-            if c.samples:  # the next token, as sampled: any id will do
-                c.seq.output_token_ids.append(int(eager[lay.sampled_chunks.index(c)].argmax()))
+        _commit(chunks, lay, eager, done)
     return out
+
+
+def _commit(chunks, lay, logits: torch.Tensor, done: dict[str, int]) -> None:
+    for c in chunks:
+        done[c.seq.seq_id] += c.num_tokens
+        if c.samples:  # the next token, as sampled: any id will do
+            c.seq.output_token_ids.append(int(logits[lay.sampled_chunks.index(c)].argmax()))
 
 
 def main(out_path: str) -> None:
@@ -97,7 +111,7 @@ def main(out_path: str) -> None:
     # The model's steps as on CUDA: the row ops on Triton kernels too.
     norm_rope.TRITON_ROW_DEVICES.add("cpu")
     # With a window only (the C++ runs cover both): the interpreter is slow.
-    outputs = {"window": steps_padded_and_eager("triton", 5)}
+    outputs = {"window": steps_padded_and_eager("triton", 5, TRITON_STEPS)}
     torch.save(outputs, out_path)
 
 
