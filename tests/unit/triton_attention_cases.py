@@ -93,9 +93,9 @@ def model_steps(backend: str) -> dict[str, torch.Tensor]:
     (one chunked), a mixed step of decodes and a chunk after cached tokens, an eager decode
     and the same decode padded into a static bucket (batch 8) as a CUDA graph replays it."""
     from tests.tiny_model import tiny_hf_llama
-    from wattserve.daemon.engine.decode_buckets import StaticDecodeInputs
     from wattserve.daemon.engine.model import LlamaModel
     from wattserve.daemon.engine.scheduler import ScheduledChunk, Sequence
+    from wattserve.daemon.engine.step_buckets import Bucket, StaticStepInputs
 
     model = LlamaModel(tiny_hf_llama(weight_std=0.15), 24, 4, torch.float32, "cpu")
     model.attention_backend = backend
@@ -126,7 +126,7 @@ def model_steps(backend: str) -> dict[str, torch.Tensor]:
     logits["decode"] = model.forward(model.inputs_from(decode))
     for t, saved in zip(model.k_cache + model.v_cache, snapshot, strict=True):
         t.copy_(saved)
-    static = StaticDecodeInputs.allocate(model, batch=8, width=8)
+    static = StaticStepInputs.allocate(model, Bucket("decode", 8, 8, 8))
     logits["decode_padded"] = model.forward(static.load(model, decode))[:3]
     return logits
 

@@ -204,8 +204,15 @@ class EngineConfig(_Section):
     )
     cuda_graphs: bool = Field(
         True,
-        description="On CUDA: replay decode steps from CUDA graphs captured per batch-size "
-        "bucket; ignored on the CPU.",
+        description="On CUDA: replay every step (decode and mixed) from CUDA graphs captured "
+        "at start per token-count and block-table-width bucket; ignored on the CPU.",
+    )
+    cuda_graph_max_tokens: int = Field(
+        512,
+        ge=1,
+        le=16384,
+        description="The largest step, in tokens (a power of two), captured as a CUDA graph "
+        "at start; larger steps run eagerly. Fewer graphs: a shorter start, less memory.",
     )
     overlap_detokenize: bool | None = Field(
         None,
@@ -213,6 +220,13 @@ class EngineConfig(_Section):
         "so the host makes text while the device computes; unset: on for CUDA, off on "
         "the CPU (the same cores would do both).",
     )
+
+    @field_validator("cuda_graph_max_tokens")
+    @classmethod
+    def _power_of_two(cls, tokens: int) -> int:
+        if tokens & (tokens - 1):
+            raise ValueError(f"must be a power of two (got {tokens})")
+        return tokens
 
     @model_validator(mode="after")
     def _check_quant_level(self) -> EngineConfig:

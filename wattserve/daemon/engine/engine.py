@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from wattserve.daemon.engine.cuda_graphs import DecodeGraphs
+from wattserve.daemon.engine.cuda_graphs import StepGraphs, graphs_supported
 from wattserve.daemon.engine.detokenizer import IncrementalDetokenizer
 from wattserve.daemon.engine.grammar import Grammars, GrammarState, apply_masks
 from wattserve.daemon.engine.kv_cache import KVCacheManager, KVCacheSpec, bytes_per_block
@@ -85,7 +85,8 @@ class EngineOptions:
     quantization_level: str | None = None  # None: the loaded dtype's level
     quant_prepare: str = "lazy"  # "lazy": build a level on first use; "start": all at start
     enable_prefix_caching: bool = True  # share the KV blocks of equal prompt prefixes
-    cuda_graphs: bool = True  # CUDA only: replay decode steps from captured graphs
+    cuda_graphs: bool = True  # CUDA only: replay every step from graphs captured at start
+    cuda_graph_max_tokens: int = 512  # the largest step (tokens, a power of two) captured
     # Launch step N+1 before step N's tokens are detokenized; None: on CUDA only (on the
     # CPU the same cores would do both, so nothing overlaps).
     overlap_detokenize: bool | None = None
@@ -108,6 +109,7 @@ class EngineOptions:
             quant_prepare=engine_cfg.quant_prepare,
             enable_prefix_caching=engine_cfg.enable_prefix_caching,
             cuda_graphs=engine_cfg.cuda_graphs,
+            cuda_graph_max_tokens=engine_cfg.cuda_graph_max_tokens,
             overlap_detokenize=engine_cfg.overlap_detokenize,
         )
 
@@ -257,9 +259,16 @@ class Engine:
         self.model.use_level(start_level)
         self.kv.set_namespace(start_level)
         self._quant_target = start_level  # written by set_quant_level, read by the loop
-        self._graphs: DecodeGraphs | None = None
-        if dev.type == "cuda" and options.cuda_graphs and self.model.graph_capturable:
-            self._graphs = DecodeGraphs(self.model, options.max_num_seqs, self.max_model_len)
+        self._graphs: StepGraphs | None = None
+        if options.cuda_graphs and graphs_supported(dev) and self.model.graph_capturable:
+            self._graphs = StepGraphs(
+                self.model,
+                options.cuda_graph_max_tokens,
+                options.max_num_seqs,
+                options.max_num_batched_tokens,
+                self.max_model_len,
+            )
+            self._graphs.capture_all(filter(self.model.is_prepared, self._quant_allowed))
         self._weight_bytes = self.model.weight_bytes()
         self._kv_bytes_per_token = bpb // options.block_size_tokens
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -595,7 +604,7 @@ class Engine:
                 self._prompt_logits_wanted(plan),
             )
             logits = self._graphs.run(lay) if self._graphs is not None else None
-            if logits is None:  # prefill, mixed, or no graphs: eager
+            if logits is None:  # no graph for this step (or none at all): eager
                 logits = self.model.forward(self.model.inputs_from(lay))
             step.weight_bytes = self.model.step_weight_bytes(self._weight_bytes)
             reqs = [step.requests[c.seq.seq_id] for c in lay.sampled_chunks]
