@@ -656,7 +656,7 @@ def _smollm2(dtype_name: str, target: Target, args, report: dict) -> dict:
         eng = (
             engine if graphs else build_engine(loaded, device, False, args.batch, args.kv_cache_gib)
         )
-        single_stream_ours(eng, prompts[0], 8)  # warm-up (captures bucket 1 with graphs)
+        single_stream_ours(eng, prompts[0], 8)  # warm-up (graphs are captured at start)
         bs1[graphs] = single_stream_ours(eng, prompts[0], args.decode_tokens)
         decode_tok_s(eng, batch_prompts, 8)  # warm-up
         out[f"batch{args.batch}_tok_s_graphs_{'on' if graphs else 'off'}"] = _r(
