@@ -7,8 +7,11 @@ mode: the GPU at its defaults, no admission cap). This machine has no GPU, so th
 are virtual ones priced from the server's measured token rates and busy time, and a
 lower clock's effect on latency is modelled: each run's measured TTFT/TPOT times the
 virtual GPU's time-averaged stretch at the clocks in force. The admission cap's effect is
-real. The JSON line says which is which. Also measured: the front's TTFT overhead, paired
-against the fake server (direct, then through the front). It must not be run by tests.
+real; the controller is given the front's latencies times that stretch. The SLOs, unless
+given, are SLO_HEADROOM x the p90 of a direct warm-up at the highest rate (ones the
+uncontrolled server meets here). The JSON line says which is which. Also measured: the
+front's TTFT overhead, paired against the fake server (direct, then through the front).
+It must not be run by tests.
 """
 
 from __future__ import annotations
