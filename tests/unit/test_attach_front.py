@@ -131,8 +131,10 @@ def test_client_disconnect_aborts_upstream_and_frees_its_slot(fake) -> None:
             with c.stream("POST", "/v1/completions", json=body) as r:
                 for line in r.iter_lines():
                     if line.startswith("data:"):
+                        # Asked before the break: leaving iter_lines closes the connection.
+                        in_flight_while_streaming = front.admission.in_flight_seqs
                         break
-                assert front.admission.in_flight_seqs == 3
+        assert in_flight_while_streaming == 3
         deadline = time.monotonic() + 10
         while (fake.state.aborted == 0 or front.admission.in_flight_seqs) and (
             time.monotonic() < deadline
@@ -159,3 +161,17 @@ def test_server_down_is_a_502_in_openai_shape() -> None:
         assert r.status_code == 502
         assert r.json()["error"]["code"] == "upstream_unavailable"
         assert front.admission.in_flight_seqs == 0
+
+
+def test_a_body_that_is_not_json_is_a_400_and_not_forwarded(fake) -> None:
+    front, _, _ = _front(fake.url)
+    with serve_in_thread(front.app) as base, httpx.Client(base_url=base, timeout=30) as c:
+        r = c.post(
+            "/v1/chat/completions",
+            content=b"{not json",
+            headers={"content-type": "application/json"},
+        )
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "invalid_json"
+    assert fake.state.bodies == []
+    assert front.admission.in_flight_seqs == 0

@@ -52,7 +52,7 @@ def _runner(fake, tmp_path, admission=None, gpus=1, mode="auto", **cfg):
     ]
     group = GpuGroup(devices)
     config = ControllerConfig(
-        mode=mode, power_budget_w=300, ttft_slo_ms=500, tpot_slo_ms=100, **cfg
+        **{"mode": mode, "power_budget_w": 300, "ttft_slo_ms": 500, "tpot_slo_ms": 100, **cfg}
     )
     clock = Clock()
     runner = build_runner(
@@ -226,5 +226,28 @@ def test_the_admission_cap_lifted_at_a_fault_comes_back_after_it(fake, tmp_path)
         fake.state.hidden.clear()
         _steps(runner, clock, 2)
         assert admission.max_num_seqs == 5
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("fake", ["vllm"], indirect=True)
+@pytest.mark.parametrize("budget_w", [160, 600])
+def test_learning_starts_below_the_top_clock_only_where_the_board_cannot_hold(
+    fake, tmp_path, budget_w
+) -> None:
+    # The virtual H200's power limit goes down to 200 W: 160 W is below it, 600 W is not.
+    # Slow tokens: the first windows hold fewer steps than half of learning's.
+    fake.state.first_token_s, fake.state.token_s = 0.05, 0.2
+    runner, group, clock = _runner(fake, tmp_path, power_budget_w=budget_w)
+    try:
+        loads = [_load(fake.url, 1, max_tokens=5) for _ in range(2)]
+        decisions = _steps(runner, clock, 3)
+        loads[0].join()
+        learning = [d for d in decisions if d is not None and d.reason.startswith("learning")]
+        assert learning
+        top = runner.control.controller.device.sm_clock_max_mhz
+        # The first learning decision (its second half is at half the top clock anyway).
+        first = learning[0].knobs.sm_clock_mhz
+        assert first <= top // 2 if budget_w == 160 else first == top
     finally:
         group.close()

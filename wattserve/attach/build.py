@@ -3,7 +3,8 @@
 The controller is the daemon's, with the knobs that exist here: the SM clock lock and the
 power limit of the server's GPUs, and the front's admission cap (max_num_seqs) when there
 is a front; a single `native` quantization level, so it never switches. It must not open
-devices or sockets (the service does) nor decide anything.
+devices or sockets (the service does) nor decide anything beyond AttachController's one
+rule.
 """
 
 from __future__ import annotations
@@ -25,6 +26,33 @@ from wattserve.daemon.control_loop import ControlLoop, device_constraints, param
 
 # The batch-token cap is the server's own; the controller gets one it cannot change.
 _BATCHED_TOKENS = 8192
+
+
+class AttachController(Controller):
+    """The daemon's controller, learning from a lower clock when the board cannot hold the
+    budget.
+
+    The daemon's controller learns at the top clock, trusting the board power limit to hold
+    the budget meanwhile. Below the limit's floor (a 160 W budget on a GPU whose limit goes
+    down to 200 W) nothing holds it until the power guard has measured it over: the bench
+    saw 0.4-1 s over the budget at the top clock on the busy fake server, the vLLM run
+    3-5 s (its peaks sat at the 200 W floor). Here its first half runs where the daemon's
+    second half does (learning_low_clock_fraction x the top clock), so learning sees one
+    clock, never the top; the power guard still acts on what it measures, and once the
+    models are trusted the outlook's safe clock and the guards take over as in the daemon.
+    """
+
+    def _learning(self, base: Knobs, level: str, ceiling: int | None):  # type: ignore[override]
+        budget_w = self._policy.power_budget_w * self.power_guard.derate
+        first_half = (
+            self.learner.step_model(level).samples < self.params.learning.learning_min_steps // 2
+        )
+        if first_half and not self.limits.hw_limit_enforces(budget_w):
+            start = self.limits.snap(
+                self.params.learning.learning_low_clock_fraction * self.device.sm_clock_max_mhz
+            )
+            ceiling = start if ceiling is None else min(ceiling, start)
+        return super()._learning(base, level, ceiling)
 
 
 def build_runner(
@@ -57,7 +85,7 @@ def build_runner(
     initial = Knobs(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=_BATCHED_TOKENS, quant_level=QUANT_LEVEL
     )
-    controller = Controller(
+    controller = AttachController(
         to_policy(cfg),
         device_constraints(device, telemetry),
         constraints,

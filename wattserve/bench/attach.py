@@ -7,8 +7,11 @@ mode: the GPU at its defaults, no admission cap). This machine has no GPU, so th
 are virtual ones priced from the server's measured token rates and busy time, and a
 lower clock's effect on latency is modelled: each run's measured TTFT/TPOT times the
 virtual GPU's time-averaged stretch at the clocks in force. The admission cap's effect is
-real. The JSON line says which is which. Also measured: the front's TTFT overhead, paired
-against the fake server (direct, then through the front). It must not be run by tests.
+real; the controller is given the front's latencies times that stretch. The SLOs, unless
+given, are SLO_HEADROOM x the p90 of a direct warm-up at the highest rate (ones the
+uncontrolled server meets here). The JSON line says which is which. Also measured: the
+front's TTFT overhead, paired against the fake server (direct, then through the front).
+It must not be run by tests.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class RunFigures:
     requests_ok: int
     power_avg_w: float
     power_max_w: float
+    over_budget_at: dict[str, int]  # "clock MHz @ power limit W": samples over the budget
 
 
 class Sampler:
@@ -81,6 +85,9 @@ class Sampler:
         self.stretch_area = 0.0
         self.span_s = 0.0
         self.power_max_w = 0.0
+        self.stretch_now = 1.0  # the modelled latency stretch at the clock in force
+        # (clock MHz, power limit W) of each sample over the budget: why it was over.
+        self.over_at: dict[tuple[int | None, float | None], int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -100,13 +107,16 @@ class Sampler:
             t = self.group.read()
             if t.power_w is not None and t.power_w > self.budget_w:
                 self.over_s += dt
+                key = (t.sm_clock_mhz, t.power_limit_w)
+                self.over_at[key] = self.over_at.get(key, 0) + 1
             self.power_max_w = max(self.power_max_w, t.power_w or 0.0)
             self.cap_area += self.admission.max_num_seqs * dt
             # Decode on this modelled server is mostly memory-bound: its compute share.
             clock = t.sm_clock_mhz or self.params.sm_clock_max_mhz
             busy = [d.backend for d in self.group.devices]
             fraction = getattr(busy[0], "_fraction_compute", 0.5)
-            self.stretch_area += stretch_factor(self.params, fraction, clock) * dt
+            self.stretch_now = stretch_factor(self.params, fraction, clock)
+            self.stretch_area += self.stretch_now * dt
             self.span_s += dt
 
 
@@ -138,18 +148,21 @@ def one_run(url: str, model: str, specs, args, controlled: bool, seed: int) -> R
         weight_bytes_per_step=WEIGHT_BYTES_PER_STEP,
     )
     control = runner.control
+    sampler = Sampler(group, admission, args.power_budget_w)
+    # The controller judges the latency attainment is judged on: measured x the modelled
+    # stretch at the clock in force (a clock change cannot slow the peer here).
     front = Front(
         url,
         admission,
-        FrontHooks(on_ttft_s=control.record_ttft_s, on_tpot_s=control.record_tpot_s),
+        FrontHooks(
+            on_ttft_s=lambda s: control.record_ttft_s(s * sampler.stretch_now),
+            on_tpot_s=lambda s: control.record_tpot_s(s * sampler.stretch_now),
+        ),
     )
     energy0 = group.read().energy_j or 0.0
     t0 = time.monotonic()
     try:
-        with (
-            serve_in_thread(front.app) as front_url,
-            Sampler(group, admission, args.power_budget_w) as sampler,
-        ):
+        with serve_in_thread(front.app) as front_url, sampler:
             runner.start()
             results, _ = asyncio.run(run_workload(front_url, model, specs, None, 600.0))
             runner.stop()
@@ -178,7 +191,46 @@ def one_run(url: str, model: str, specs, args, controlled: bool, seed: int) -> R
         requests_ok=len(ok),
         power_avg_w=round(energy / elapsed_s, 1),
         power_max_w=round(sampler.power_max_w, 1),
+        over_budget_at={
+            f"{c} MHz @ {lim} W": k for (c, lim), k in sorted(sampler.over_at.items(), key=str)
+        },
     )
+
+
+SLO_HEADROOM = 2.0  # x the direct warm-up's p90
+SLO_PERCENTILE = 90
+
+
+def slos_from_direct_warm_up(url: str, model: str, args: argparse.Namespace, count) -> dict:
+    """SLOs the uncontrolled server meets on this machine: SLO_HEADROOM x the p90 TTFT and
+    TPOT of the workload at the highest rate sent straight to the server (no front, no
+    controller; its own seed, so not the measured runs' prompts)."""
+    rate = max(args.rates)
+    specs = build_workload(
+        args.num_prompts,
+        tuple(args.prompt_len),
+        tuple(args.output_len),
+        rate,
+        args.seed + 1000,
+        count,
+    )
+    results, _ = asyncio.run(run_workload(url, model, specs, None, 600.0))
+    ok = [r for r in results if r.ok]
+    if not ok:
+        raise RuntimeError("no request of the direct warm-up succeeded")
+
+    def p(values: list[float]) -> float:
+        return float(statistics.quantiles(values, n=100, method="inclusive")[SLO_PERCENTILE - 1])
+
+    ttft = p([r.ttft_s for r in ok]) if len(ok) > 1 else ok[0].ttft_s
+    tpots = [r.tpot_s for r in ok if r.output_tokens > 1]
+    tpot = p(tpots) if len(tpots) > 1 else (tpots[0] if tpots else ttft)
+    return {
+        "ttft_ms": round(SLO_HEADROOM * 1e3 * ttft, 1),
+        "tpot_ms": round(SLO_HEADROOM * 1e3 * tpot, 1),
+        "rule": f"{SLO_HEADROOM:g} x p{SLO_PERCENTILE} of a direct warm-up at {rate:g} req/s "
+        f"({len(ok)} requests, straight to the server)",
+    }
 
 
 def front_overhead(pairs: int) -> tuple[float, float]:
@@ -298,8 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, nargs=2, default=[64, 128])
     p.add_argument("--output-len", type=int, nargs=2, default=[32, 64])
     p.add_argument("--power-budget-w", type=float, default=160.0)
-    p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
-    p.add_argument("--slo-tpot-ms", type=float, default=300.0)
+    p.add_argument(
+        "--slo-ttft-ms", type=float, default=None, help="default: from the direct warm-up"
+    )
+    p.add_argument(
+        "--slo-tpot-ms", type=float, default=None, help="default: from the direct warm-up"
+    )
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--period-s", type=float, default=0.5)
     p.add_argument("--overhead-pairs", type=int, default=100)
@@ -336,6 +392,12 @@ def main(argv: list[str] | None = None) -> int:
             def count(text: str) -> int:
                 return len(text.split())
 
+        if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
+            slo = slos_from_direct_warm_up(url, model, args, count)
+            print(f"SLOs from the direct warm-up: {slo}", file=sys.stderr)
+            args.slo_ttft_ms = args.slo_ttft_ms or slo["ttft_ms"]
+            args.slo_tpot_ms = args.slo_tpot_ms or slo["tpot_ms"]
+            report["slo_rule"] = slo["rule"]
         for i, rate in enumerate(args.rates):
             specs = build_workload(
                 args.num_prompts,
