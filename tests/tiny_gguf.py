@@ -80,6 +80,9 @@ def _add_tokenizer(w, tokenizer) -> None:
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(tokens)
     w.add_token_types(types)
+    # Gemma's GGUF tokenizer reader (transformers <= 5.17) builds a Unigram model from
+    # the scores that llama.cpp writes for SentencePiece vocabularies: one per token.
+    w.add_token_scores([-float(i) for i in range(len(tokens))])
     w.add_token_merges(merges)
     w.add_bos_token_id(tokenizer.bos_token_id)
     w.add_eos_token_id(tokenizer.eos_token_id)

@@ -78,14 +78,11 @@ def test_checkpoint_missing_text_weights_is_refused(tmp_path, cache_dir):
 
 
 def family_gguf(tmp_path, family: str):
-    """A random model of the family (tests/tiny_model.py), its HF directory loaded by
-    transformers, and the same weights written as GGUF."""
-    from transformers import AutoModelForCausalLM
-
+    """A random model of the family (tests/tiny_model.py) as the loader reads its HF
+    directory, and the same weights written as GGUF."""
     path = make_family_dir(tmp_path / family, family)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    lm_dir = load_model(str(path), tmp_path / "cache", "float32")
-    return hf, write_gguf(hf, lm_dir.tokenizer, tmp_path / f"{family}.gguf")
+    lm = load_model(str(path), tmp_path / "cache", "float32")
+    return lm.hf_model, write_gguf(lm.hf_model, lm.tokenizer, tmp_path / f"{family}.gguf")
 
 
 # qwen3: the head dim (2 x hidden / heads) comes from attention.key_length; gemma2: the

@@ -22,7 +22,12 @@ from pathlib import Path
 
 import torch
 
-from wattserve.daemon.engine.families import FamilyConfigError, check_architecture, describe
+from wattserve.daemon.engine.families import (
+    FamilyConfigError,
+    check_architecture,
+    describe,
+    text_config,
+)
 from wattserve.daemon.engine.model import WINDOW_SUPPORTED
 from wattserve.daemon.leftovers import remove_leftovers
 
@@ -160,7 +165,11 @@ def _load_hf_dir(path: Path, dtype: torch.dtype):
             model, info = _load_text_part(path, config, dtype)
         else:
             model, info = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, local_files_only=True, output_loading_info=True
+                path,
+                dtype=dtype,
+                local_files_only=True,
+                output_loading_info=True,
+                **_faithful_attention(config),
             )
     except Exception as e:  # transformers raises many types for a broken directory
         raise LoadError(f"{path}: cannot load model: {_first_line(e)}") from None
@@ -171,6 +180,16 @@ def _load_hf_dir(path: Path, dtype: torch.dtype):
             + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         )
     return model.eval(), tok
+
+
+def _faithful_attention(config) -> dict:
+    """transformers' own attention that computes what the config says. Attention-logit
+    soft-capping (Gemma 2) is only in its eager attention; transformers 5.17 picks SDPA
+    for Gemma 2 and drops the soft-cap. The engine reads only the weights; this keeps
+    the transformers model that benchmarks and tests compare against exact."""
+    if getattr(text_config(config), "attn_logit_softcapping", None):
+        return {"attn_implementation": "eager"}
+    return {}
 
 
 # Where a multimodal checkpoint keeps its language model's weights (Gemma 3 4B-27B):
@@ -196,6 +215,7 @@ def _load_text_part(path: Path, config, dtype: torch.dtype):
         local_files_only=True,
         key_mapping=_TEXT_PART_KEYS,
         output_loading_info=True,
+        **_faithful_attention(config),
     )
 
 
@@ -215,7 +235,11 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, config=config, dtype=torch.float32
+            gguf.parent,
+            gguf_file=gguf.name,
+            config=config,
+            dtype=torch.float32,
+            **_faithful_attention(config),
         )
     except Exception as e:
         raise LoadError(f"{gguf}: cannot read GGUF: {_first_line(e)}") from None
