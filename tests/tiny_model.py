@@ -248,3 +248,54 @@ FAMILY_CONFIGS.update(
         ),
     }
 )
+
+
+def make_gemma3_vision_dir(out: Path, seed: int = 0, layers: int = 2) -> Path:
+    """A random Gemma 3 checkpoint with a vision tower (`Gemma3ForConditionalGeneration`,
+    as Gemma 3 4B-27B ship): the gemma3 text config above nested under `text_config`, a
+    one-layer SigLIP tower of 28x28 images, saved with save_pretrained."""
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
+
+    tok = build_tokenizer()
+    keys = dict(FAMILY_CONFIGS["gemma3"][2], max_position_embeddings=512)
+    text = Gemma3TextConfig(
+        vocab_size=len(tok),
+        num_hidden_layers=layers,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **keys,
+    )
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    cfg = Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        boi_token_index=len(tok) - 3,
+        eoi_token_index=len(tok) - 2,
+        image_token_index=len(tok) - 1,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+            elif p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

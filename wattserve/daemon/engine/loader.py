@@ -22,7 +22,12 @@ from pathlib import Path
 
 import torch
 
-from wattserve.daemon.engine.families import FamilyConfigError, check_architecture, describe
+from wattserve.daemon.engine.families import (
+    FamilyConfigError,
+    check_architecture,
+    describe,
+    text_config,
+)
 from wattserve.daemon.engine.model import WINDOW_SUPPORTED
 from wattserve.daemon.leftovers import remove_leftovers
 
@@ -66,7 +71,7 @@ def embedded_gguf_path() -> Path:
 
 
 def resolve_dtype(name: str, device_type: str = "cpu") -> torch.dtype:
-    """"auto" is float32 on the CPU and bfloat16 on CUDA (the GPU's native matmul dtype)."""
+    """ "auto" is float32 on the CPU and bfloat16 on CUDA (the GPU's native matmul dtype)."""
     if name == "auto":
         return torch.bfloat16 if device_type == "cuda" else torch.float32
     if name == "float32":
@@ -156,20 +161,85 @@ def _load_hf_dir(path: Path, dtype: torch.dtype):
     check_weight_files(path)
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        if getattr(config, "vision_config", None) is not None:
+            model, info = _load_text_part(path, config, dtype)
+        else:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path,
+                dtype=dtype,
+                local_files_only=True,
+                output_loading_info=True,
+                **_faithful_attention(config),
+            )
     except Exception as e:  # transformers raises many types for a broken directory
         raise LoadError(f"{path}: cannot load model: {_first_line(e)}") from None
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        raise LoadError(
+            f"{path}: weights missing from the checkpoint: {', '.join(missing[:3])}"
+            + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        )
     return model.eval(), tok
+
+
+def _faithful_attention(config) -> dict:
+    """transformers' own attention that computes what the config says. Attention-logit
+    soft-capping (Gemma 2) is only in its eager attention; transformers 5.17 picks SDPA
+    for Gemma 2 and drops the soft-cap. The engine reads only the weights; this keeps
+    the transformers model that benchmarks and tests compare against exact."""
+    if getattr(text_config(config), "attn_logit_softcapping", None):
+        return {"attn_implementation": "eager"}
+    return {}
+
+
+# Where a multimodal checkpoint keeps its language model's weights (Gemma 3 4B-27B):
+# `language_model.model.` as first published, `model.language_model.` as transformers
+# >= 4.52 saves them; both become the text-only model's `model.`.
+_TEXT_PART_KEYS = {
+    r"^language_model\.model\.": "model.",
+    r"^model\.language_model\.": "model.",
+    r"^language_model\.lm_head\.": "lm_head.",
+}
+
+
+def _load_text_part(path: Path, config, dtype: torch.dtype):
+    """The language model of a checkpoint with a vision tower, built from its text config
+    alone: the vision tower's and projector's weights are never read into memory."""
+    from transformers import AutoModelForCausalLM
+
+    text_cls = AutoModelForCausalLM._model_mapping[type(config.text_config)]
+    return text_cls.from_pretrained(
+        path,
+        config=config.text_config,
+        dtype=dtype,
+        local_files_only=True,
+        key_mapping=_TEXT_PART_KEYS,
+        output_loading_info=True,
+        **_faithful_attention(config),
+    )
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantise a GGUF through transformers and save it as a safetensors directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from wattserve.daemon.engine.gguf_config import GGUFConfigError, gguf_config
+
+    try:
+        config = gguf_config(gguf)
+    except GGUFConfigError as e:
+        raise LoadError(f"{gguf}: {e}") from None
+    except Exception as e:
+        raise LoadError(f"{gguf}: cannot read GGUF: {_first_line(e)}") from None
+    _check_architecture(config.model_type, gguf)
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+            gguf.parent,
+            gguf_file=gguf.name,
+            config=config,
+            dtype=torch.float32,
+            **_faithful_attention(config),
         )
     except Exception as e:
         raise LoadError(f"{gguf}: cannot read GGUF: {_first_line(e)}") from None
