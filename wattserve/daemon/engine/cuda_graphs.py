@@ -57,14 +57,17 @@ class DecodeGraphs:
         widest = max(len(r) for r in lay.block_tables)
         return (self.model.level, batch, width_bucket(widest, self.max_blocks))
 
-    def run(self, lay: StepLayout) -> torch.Tensor | None:
+    def run(self, lay: StepLayout, before_replay=None) -> torch.Tensor | None:
         """Logits [n, vocab] of a decode layout through its graph (captured now if new),
-        or None when the layout has no graph (run it eagerly)."""
+        or None when the layout has no graph (run it eagerly). before_replay(inputs): called
+        on the loaded static inputs (the engine puts device-side input ids there)."""
         key = self.key(lay)
         if key is None:
             return None
         entry = self._graphs.get(key) or self._capture(key)
-        entry.static.load(self.model, lay)
+        inputs = entry.static.load(self.model, lay)
+        if before_replay is not None:
+            before_replay(inputs)
         entry.graph.replay()
         return entry.logits.narrow(0, 0, len(lay.input_ids))
 
