@@ -40,7 +40,7 @@ class DeviceOps:
 
     def pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A page-locked host buffer (allocated once, reused through a Ring)."""
-        return torch.empty(numel, dtype=dtype, pin_memory=True)
+        return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=True)
 
     def upload(self, src: torch.Tensor, dst: torch.Tensor | None = None) -> torch.Tensor:
         """Copy pinned host `src` to the device (into dst if given), ordered on the stream."""
@@ -94,7 +94,7 @@ class RecordingOps(DeviceOps):
         self._own_copy = False  # a copy of ours is in progress (watch() skips it)
 
     def pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        buf = torch.empty(numel, dtype=dtype)
+        buf = torch.empty(numel, dtype=dtype, device="cpu")
         self._pinned.add(id(buf))
         return buf
 
