@@ -43,16 +43,32 @@ def test_a_layer_and_the_rest_of_a_step_fit_their_kernel_budgets(counts):
 
 
 def test_a_step_reads_back_once(counts):
-    assert counts["d2h_copies_per_step"] == 1
+    # the forward and sampler alone: one read-back, no scalar read
+    assert all(s["d2h_copies"] == 1 for s in counts["per_step"].values())
     assert all(s["scalar_reads"] == 0 for s in counts["per_step"].values())
+    # the engine's steps: one pinned non-blocking read-back a step, waited on only after
+    # the next step is launched, and every upload from pinned memory
+    assert counts["d2h_copies_per_step"] == 1
+    assert counts["unpinned_or_blocking_d2h_copies"] == 0
+    assert counts["syncs_before_next_launch"] == 0
+    assert counts["pageable_h2d_copies_per_step"] == 0
 
 
 def test_the_command_prints_its_keys_and_budgets_last(capsys, monkeypatch):
-    monkeypatch.setattr(host, "measure", lambda dtype: {
-        "kernels_per_layer_decode": 10, "kernels_per_layer_mixed": 13,
-        "kernel_growth_with_batch": 0, "kernels_outside_layers": 12,
-        "d2h_copies_per_step": 1, "syncs_before_next_launch": 1, "per_step": {},
-    })
+    monkeypatch.setattr(
+        host,
+        "measure",
+        lambda dtype: {
+            "kernels_per_layer_decode": 10,
+            "kernels_per_layer_mixed": 13,
+            "kernel_growth_with_batch": 0,
+            "kernels_outside_layers": 12,
+            "d2h_copies_per_step": 1,
+            "syncs_before_next_launch": 1,
+            "pageable_h2d_copies_per_step": 0,
+            "per_step": {},
+        },
+    )
     from wattserve.bench import host_time
 
     host_ms = {"host_ms_per_step_bs1": 0.2, "host_ms_per_step_bs64": 1.5}
@@ -61,10 +77,15 @@ def test_the_command_prints_its_keys_and_budgets_last(capsys, monkeypatch):
     assert host.main([]) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["met"] == {
-        "kernels_per_layer_decode": True, "kernels_per_layer_mixed": True,
-        "kernel_growth_with_batch": True, "syncs_before_next_launch": False,
-        "d2h_copies_per_step": True, "kernels_outside_layers": True,
+        "kernels_per_layer_decode": True,
+        "kernels_per_layer_mixed": True,
+        "kernel_growth_with_batch": True,
+        "syncs_before_next_launch": False,
+        "d2h_copies_per_step": True,
+        "kernels_outside_layers": True,
+        "pageable_h2d_copies_per_step": True,
     }
+    assert line["pageable_h2d_copies_per_step"] == 0
     assert line["dtype"] == "bfloat16" and line["host_ms_per_step_bs64"] == 1.5
     assert line["host_ms_note"] == "how"
     assert line["host_met"] == {
@@ -111,6 +132,7 @@ def test_the_command_takes_a_level_and_its_budgets(capsys, monkeypatch):
             "kernels_outside_layers": 10,
             "d2h_copies_per_step": 1,
             "syncs_before_next_launch": 1,
+            "pageable_h2d_copies_per_step": 0,
             "per_step": {},
         }
 

@@ -92,8 +92,8 @@ def test_start_captures_every_bucket_and_serving_captures_none(tiny_llama, stand
     ran: list[tuple[str, int, bool]] = []  # (kind, tokens, replayed) per step
     real_run = graphs.run
 
-    def run(lay):
-        logits = real_run(lay)
+    def run(lay, before_replay=None):
+        logits = real_run(lay, before_replay)
         kind = "decode" if len(lay.input_ids) == len(lay.context_lens) else "mixed"
         ran.append((kind, len(lay.input_ids), logits is not None))
         return logits

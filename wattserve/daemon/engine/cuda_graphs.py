@@ -169,14 +169,17 @@ class StepGraphs:
         bucket = Bucket(kind, tokens, width, rows)
         return bucket if bucket.fits(lay) else None
 
-    def run(self, lay: StepLayout) -> torch.Tensor | None:
+    def run(self, lay: StepLayout, before_replay=None) -> torch.Tensor | None:
         """Logits [len(lay.logits_indices), vocab] of a layout through its graph, or None
         when it has none (run it eagerly). The tensor is a view of the shared output
-        buffer: valid until the next replay."""
+        buffer: valid until the next replay. before_replay(inputs): called on the loaded
+        static inputs (the engine puts device-side input ids there)."""
         bucket = self.bucket(lay)
         replay = None if bucket is None else self._graphs.get((self.model.level, bucket))
         if replay is None:
             return None
-        self._static[bucket].load(self.model, lay)
+        inputs = self._static[bucket].load(self.model, lay)
+        if before_replay is not None:
+            before_replay(inputs)
         replay()
         return self.logits.narrow(0, 0, len(lay.logits_indices))

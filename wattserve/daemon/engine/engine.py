@@ -7,9 +7,12 @@ step: the step's (sink, event) pairs go together to the delivery function (by de
 sink is called in turn on the loop thread; the API installs one that crosses to its asyncio
 loop in a single call). With overlap_detokenize (CUDA's default) the next step's forward
 is launched before a step's tokens are detokenized, so the host makes text while the device
-computes. Batch limits and decode pacing change through set_limits() and the
-weight quantization level through set_quant_level(), each read once at the top of each step;
-per-step statistics go to registered step hooks. Nothing here awaits, and nothing here
+computes. With async_steps (CUDA's default) a step's tokens are chosen and kept on the
+device, the next step is launched before their read-back is waited on, and every pinned
+buffer, copy, event and wait goes through device_ops (docs/engine.md). Batch limits and
+decode pacing change through set_limits() and the weight quantization level through
+set_quant_level(), each read once at the top of each step; per-step statistics go to
+registered step hooks. Nothing here awaits, and nothing here
 speaks HTTP.
 """
 
@@ -29,11 +32,13 @@ import torch
 
 from wattserve.daemon.engine.cuda_graphs import StepGraphs, graphs_supported
 from wattserve.daemon.engine.detokenizer import IncrementalDetokenizer
+from wattserve.daemon.engine.device_ops import DeviceOps, RecordingOps, Ring
+from wattserve.daemon.engine.device_sampler import device_ids, packed_read_back, unpack
 from wattserve.daemon.engine.grammar import Grammars, GrammarState, apply_masks
 from wattserve.daemon.engine.kv_cache import KVCacheManager, KVCacheSpec, bytes_per_block
 from wattserve.daemon.engine.loader import LoadedModel
 from wattserve.daemon.engine.logits import RowHistory, logprobs_of, process
-from wattserve.daemon.engine.model import LlamaModel, StepLayout, model_shape
+from wattserve.daemon.engine.model import LlamaModel, StepInputs, StepLayout, model_shape
 from wattserve.daemon.engine.request import (
     InvalidRequestError,
     RequestOutput,
@@ -90,6 +95,10 @@ class EngineOptions:
     # Launch step N+1 before step N's tokens are detokenized; None: on CUDA only (on the
     # CPU the same cores would do both, so nothing overlaps).
     overlap_detokenize: bool | None = None
+    # Asynchronous steps: sampled ids stay on the device and feed the next step, which is
+    # launched before this one's read-back is waited on; None: on CUDA only (on the CPU
+    # it runs with recording device ops, for tests).
+    async_steps: bool | None = None
 
     @classmethod
     def from_config(cls, engine_cfg) -> EngineOptions:
@@ -111,6 +120,7 @@ class EngineOptions:
             cuda_graphs=engine_cfg.cuda_graphs,
             cuda_graph_max_tokens=engine_cfg.cuda_graph_max_tokens,
             overlap_detokenize=engine_cfg.overlap_detokenize,
+            async_steps=getattr(engine_cfg, "async_steps", None),
         )
 
 
@@ -158,7 +168,7 @@ class _Request:
     params: SamplingParams
     sink: Sink
     detok: IncrementalDetokenizer
-    generator: torch.Generator
+    generator: torch.Generator | None  # None for greedy requests
     arrival_s: float
     first_token_s: float | None = None
     # Prompt logprobs gathered chunk by chunk (first token: None), when asked for.
@@ -183,6 +193,12 @@ class _Launched:
     reqs: list[_Request] = field(default_factory=list)  # one per sampled row
     masks: torch.Tensor | None = None  # structured outputs' token masks of those rows
     weight_bytes: int = 0  # what its forward read (a MoE step reads its routed experts)
+    # Asynchronous steps only: sampled ids on the device, their packed read-back (pinned,
+    # in flight until `event`), and where commit_ahead put each row's placeholder.
+    ids: torch.Tensor | None = None
+    read_back: torch.Tensor | None = None
+    event: object | None = None
+    ahead_at: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -202,10 +218,16 @@ class Engine:
     """Continuous batching over a paged KV cache on one model."""
 
     def __init__(
-        self, loaded: LoadedModel, options: EngineOptions, device: torch.device | str = "cpu"
+        self,
+        loaded: LoadedModel,
+        options: EngineOptions,
+        device: torch.device | str = "cpu",
+        device_ops: DeviceOps | None = None,
     ) -> None:
         """device: where weights, the KV pool, step tensors and sampling live
-        (wattserve.daemon.engine.placement resolves `[engine] device` to it)."""
+        (wattserve.daemon.engine.placement resolves `[engine] device` to it).
+        device_ops: what moves the step's bytes (default: torch's on CUDA, a recording
+        variant elsewhere; bench host passes a recording one under a fake CUDA device)."""
         if options.threads:
             torch.set_num_threads(options.threads)
         self.device = dev = torch.device(device)
@@ -279,6 +301,21 @@ class Engine:
             else dev.type == "cuda"
         )
         self._in_flight: _Launched | None = None  # launched, not sampled yet (overlap only)
+        # A length-dependent rope recomputes a sequence's KV at a length commit() sees:
+        # those models step synchronously.
+        self._async = (
+            options.async_steps if options.async_steps is not None else dev.type == "cuda"
+        ) and self.scheduler.recompute_at_tokens is None
+        # Off CUDA, asynchronous steps (tests, benches) record what they would ask of a
+        # device; synchronous CPU steps ask nothing of these ops (nothing is recorded).
+        self.device_ops = device_ops or (
+            RecordingOps(dev) if self._async and dev.type != "cuda" else DeviceOps(dev)
+        )
+        if dev.type != "cpu":
+            self.model.set_device_ops(self.device_ops)
+        self._read_backs = Ring(self.device_ops.pinned, torch.float32)
+        self._param_bytes = Ring(self.device_ops.pinned, torch.uint8)  # the sampler's
+        self._launches = itertools.count()
         self._hooks: list[Callable[[StepStats], None]] = []
         self._outbox: list[tuple[Sink, RequestOutput]] = []  # this step's events
         self.delivery: Delivery = call_each
@@ -480,7 +517,8 @@ class Engine:
                 include_stop=params.include_stop_str_in_output,
                 skip_special_tokens=params.skip_special_tokens,
             ),
-            generator=make_generator(params.seed, self.device),
+            # greedy rows draw nothing (and a fake CUDA device has no generator)
+            generator=None if params.greedy else make_generator(params.seed, self.device),
             arrival_s=time.monotonic(),
             grammar=None if params.guided is None else self.grammars.state(params.guided),
         )
@@ -556,28 +594,41 @@ class Engine:
         self._in_flight = None
         if launched is None:
             return None
-        rows = self._complete(launched)
+        aborts: list[str] = []
+        if launched.event is not None:
+            # Asynchronous: step N+1 is launched (its decodes' input ids taken from N's
+            # sampled ids on the device) before N's read-back is waited on.
+            self._in_flight = self._launch(0.0, aborts, prev=launched)
+            rows = self._complete(launched)
+        else:
+            rows = self._complete(launched)
+            if rows is not None and self._overlap_detokenize:
+                # The device computes step N+1 while the host makes step N's text below.
+                self._in_flight = self._launch(0.0, aborts)
         if rows is None:
+            self._finish_aborts(aborts)
             return None
         now = time.monotonic()
-        aborts: list[str] = []
-        if self._overlap_detokenize:
-            # The device computes step N+1 while the host makes step N's text below.
-            self._in_flight = self._launch(0.0, aborts)
         finished = sum(row.reason is not None for row in rows)
         finished += self._emit(rows)
-        for rid in aborts:  # after the step's tokens: an abort's event ends its stream
-            if rid in self._requests:
-                self._finish(self._requests[rid], "abort")
+        self._finish_aborts(aborts)
         stats = self._step_stats(launched, now - launched.t0_s, finished)
         for hook in self._hooks:
             hook(stats)
         return stats
 
-    def _launch(self, block_s: float, aborts: list[str] | None = None) -> _Launched | None:
+    def _finish_aborts(self, aborts: list[str]) -> None:
+        for rid in aborts:  # after the step's tokens: an abort's event ends its stream
+            if rid in self._requests:
+                self._finish(self._requests[rid], "abort")
+
+    def _launch(
+        self, block_s: float, aborts: list[str] | None = None, prev: _Launched | None = None
+    ) -> _Launched | None:
         """Schedule a step and launch its forward (on a GPU it runs on while the host goes
         on). aborts: given while a completed step's text is still to be made (see
-        _drain_inbox); decode pacing then launches nothing rather than wait."""
+        _drain_inbox); decode pacing then launches nothing rather than wait. prev: the
+        asynchronous step whose read-back is still in flight (its ids feed this one)."""
         overlapped = aborts is not None
         self._drain_inbox(0.0 if self._requests or overlapped else block_s, aborts)
         pause_s = self.pacing_wait_s()
@@ -603,18 +654,81 @@ class Engine:
                 {c.seq.seq_id: self.kv.table(c.seq.seq_id) for c in plan.chunks},
                 self._prompt_logits_wanted(plan),
             )
-            logits = self._graphs.run(lay) if self._graphs is not None else None
+            carry = self._carried_ids(plan, lay, prev)
+            logits = self._graphs.run(lay, carry) if self._graphs is not None else None
             if logits is None:  # no graph for this step (or none at all): eager
-                logits = self.model.forward(self.model.inputs_from(lay))
+                inputs = self.model.inputs_from(lay)
+                if carry is not None:
+                    carry(inputs)
+                logits = self.model.forward(inputs)
+            step_no = next(self._launches)
+            self.device_ops.launched(step_no)
             step.weight_bytes = self.model.step_weight_bytes(self._weight_bytes)
             reqs = [step.requests[c.seq.seq_id] for c in lay.sampled_chunks]
-            # Before the logits are read: on a GPU this overlaps the forward still running.
-            step.masks = self.grammars.fill_masks([r.grammar for r in reqs])
+            step.lay, step.logits, step.reqs = lay, logits, reqs
+            if self._async and not lay.prompt_logit_chunks:
+                self._sample_on_device(step, step_no)
+            if step.event is None:
+                # Before the logits are read: on a GPU this overlaps the forward still running.
+                step.masks = self.grammars.fill_masks([r.grammar for r in reqs])
         except Exception:  # a bug in one batch must not take the daemon down
             log.exception("engine step failed; failing the %d requests in it", len(plan.chunks))
+            step.logits = None
             return step  # no logits: its requests fail when it is completed
-        step.lay, step.logits, step.reqs = lay, logits, reqs
         return step
+
+    def _carried_ids(
+        self, plan: SchedulePlan, lay: StepLayout, prev: _Launched | None
+    ) -> Callable[[StepInputs], None] | None:
+        """What puts prev's sampled ids on the device into this step's input ids, for the
+        decodes whose last token is still a placeholder (None: none is)."""
+        if prev is None or prev.ids is None:
+            return None
+        src_of = {r.seq.seq_id: i for i, r in enumerate(prev.reqs)}
+        dst, src = [], []
+        for i, c in enumerate(plan.chunks):
+            if c.seq.num_ahead and c.start == c.seq.num_tokens - 1:
+                dst.append(lay.query_start[i])
+                src.append(src_of[c.seq.seq_id])  # KeyError: a bug, the step fails
+        if not dst:
+            return None
+        ids = prev.ids
+
+        def carry(inputs: StepInputs) -> None:
+            idx = self.model.to_device(dst + src)
+            rows, from_rows = idx.split([len(dst), len(src)])
+            inputs.input_ids.index_copy_(0, rows, ids.index_select(0, from_rows))
+
+        return carry
+
+    def _upload_params(self, host: torch.Tensor) -> torch.Tensor:
+        """The device sampler's parameter bytes, through a pinned buffer (one upload)."""
+        return self.device_ops.upload(self._param_bytes.take(host.numel()).copy_(host))
+
+    def _sample_on_device(self, step: _Launched, step_no: int) -> None:
+        """Choose an asynchronous step's tokens on the device and start their read-back,
+        or leave the step to _complete (synchronous) when a row needs host state built
+        from the step before (grammar masks, penalties over output ids) or a sampler the
+        device has not got (device_ids returns None)."""
+        reqs = step.reqs
+        if any(r.grammar is not None or r.params.penalized for r in reqs):
+            return
+        params = [r.params for r in reqs]
+        # narrow, not [:n]: Python indexing of a device tensor needs its library, which a
+        # fake CUDA device on a CPU-only torch has not got (as in the sampler)
+        rows = step.logits.narrow(0, 0, len(reqs))
+        processed = process(rows, params, [r.history for r in reqs], self.eos_token_ids)
+        # A sampled row's Philox counter: the position of the token it chooses.
+        steps = [c.start + c.num_tokens for c in step.lay.sampled_chunks]
+        ids = device_ids(processed, params, steps, self._upload_params) if reqs else None
+        if ids is None:
+            return
+        packed = packed_read_back(processed, ids, params)
+        step.read_back = self._read_backs.take(packed.numel())
+        self.device_ops.read_back(packed, step.read_back)
+        step.event = self.device_ops.record_event(step_no)
+        step.ids = ids
+        step.ahead_at = self.scheduler.commit_ahead(step.plan)
 
     def _complete(self, step: _Launched) -> list[_Sampled] | None:
         """Sample a launched step (the one read-back), commit it and check each token's
@@ -624,6 +738,8 @@ class Engine:
         if step.logits is None:  # its launch failed (logged then)
             self._fail_step(step.plan)
             return None
+        if step.event is not None:
+            return self._complete_async(step)
         reqs, logits = step.reqs, step.logits
         try:
             self._gather_prompt_logprobs(step.lay, logits[len(reqs) :], step.requests)
@@ -631,7 +747,7 @@ class Engine:
             history = [r.history for r in reqs]
             processed = process(logits[: len(reqs)], params, history, self.eos_token_ids)
             processed = apply_masks(processed, step.masks)
-            tokens = sample(processed, params, [r.generator for r in reqs])
+            tokens = self._sample_sync(step, processed, params)
             logprobs = _sampled_logprobs(processed, params, tokens)
         except Exception:  # a bug in one batch must not take the daemon down
             log.exception(
@@ -651,6 +767,49 @@ class Engine:
         rows = [self._check_token(r, t, lp, now) for r, t, lp in live]
         for row in rows:
             if row.reason is not None:
+                self._retire(row.req)
+        return rows
+
+    def _sample_sync(
+        self, step: _Launched, processed: torch.Tensor, params: list[SamplingParams]
+    ) -> list[int | None]:
+        """A synchronous step's tokens. Sampled rows draw where an asynchronous step's
+        would (the device sampler, where it runs), so a seed fixes a request's tokens
+        whether or not a grammar or penalised row made its step synchronous."""
+        ids = None
+        if not all(p.greedy for p in params):
+            steps = [c.start + c.num_tokens for c in step.lay.sampled_chunks]
+            ids = device_ids(processed, params, steps, self._upload_params)
+        if ids is None:
+            return sample(processed, params, [r.generator for r in step.reqs])
+        return [None if t < 0 else t for t in ids.tolist()]
+
+    def _complete_async(self, step: _Launched) -> list[_Sampled]:
+        """_complete for a step committed ahead: wait for its read-back, put each token in
+        its placeholder's place, check each for a finish. A request that finished while
+        the step was in flight (a stop found one step late, an abort) drops its token."""
+        self.device_ops.wait(step.event)
+        reqs = step.reqs
+        values = self.device_ops.values(step.read_back)
+        tokens, logprobs = unpack(values, [r.params for r in reqs])
+        now = time.monotonic()
+        rows = []
+        for r, t, lp in zip(reqs, tokens, logprobs, strict=True):
+            seq = r.seq
+            if self._requests.get(seq.seq_id) is not r:
+                continue  # ended since: its token is never delivered nor counted
+            at = step.ahead_at.get(seq.seq_id)
+            if at is None:  # not running when the step was committed (preempted)
+                continue
+            self.scheduler.settle(seq, at, t)
+            ahead = len(seq.output_token_ids) - at - 1  # the next step's placeholder
+            rows.append(self._check_token(r, t, lp, now, ahead))
+        for row in rows:
+            if row.reason is not None:
+                seq = row.req.seq
+                # The next step's token of a finished request is dropped.
+                del seq.output_token_ids[len(seq.output_token_ids) - seq.num_ahead :]
+                seq.num_ahead = 0
                 self._retire(row.req)
         return rows
 
@@ -728,9 +887,15 @@ class Engine:
                 self._finish(self._requests[c.seq.seq_id], "error", "internal engine error")
 
     def _check_token(
-        self, req: _Request, token: int | None, lp: TokenLogprob | None, now: float
+        self,
+        req: _Request,
+        token: int | None,
+        lp: TokenLogprob | None,
+        now: float,
+        ahead: int = 0,
     ) -> _Sampled:
-        """The finish a sampled token decides by its id alone (None: its text may)."""
+        """The finish a sampled token decides by its id alone (None: its text may).
+        ahead: tokens after it already committed ahead (asynchronous steps)."""
         seq, p = req.seq, req.params
         if token is None:
             return _Sampled(req, None, None, None, "error", "non-finite logits")
@@ -755,7 +920,10 @@ class Engine:
             row.reason, row.detokenize = "stop", False  # its text is not the request's
         elif req.grammar is not None and req.grammar.terminated:
             row.reason = "stop"  # after its text: the token that completed the grammar is kept
-        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif (
+            len(seq.output_token_ids) - ahead >= p.max_tokens
+            or seq.num_tokens - ahead >= self.max_model_len
+        ):
             row.reason = "length"
         return row
 
@@ -791,7 +959,7 @@ class Engine:
                     [row.token],  # type: ignore[list-item]
                     req.detok.take(),
                     prompt_tokens=len(seq.prompt_token_ids),
-                    completion_tokens=len(seq.output_token_ids),
+                    completion_tokens=seq.num_output_known,
                     logprobs=None if row.logprob is None else [row.logprob],
                     prompt_logprobs=row.prompt_logprobs,
                 ),
@@ -827,7 +995,7 @@ class Engine:
                 finish_reason=reason,
                 error=error,
                 prompt_tokens=len(seq.prompt_token_ids),
-                completion_tokens=len(seq.output_token_ids),
+                completion_tokens=seq.num_output_known,
                 logprobs=None if last_logprob is None else [last_logprob],
                 prompt_logprobs=prompt_logprobs,
             ),
@@ -891,7 +1059,7 @@ class Engine:
                 finish_reason="error",
                 error=error,
                 prompt_tokens=len(seq.prompt_token_ids),
-                completion_tokens=len(seq.output_token_ids),
+                completion_tokens=seq.num_output_known,
             ),
         )
 

@@ -221,6 +221,9 @@ class LlamaModel:
         self.shape = s = model_shape(hf_model.config)
         self.dtype = dtype
         self.device = dev = torch.device(device)
+        # Off the CPU, uploads go through these (the engine's DeviceOps; set_device_ops).
+        self._device_ops = None
+        self._staging = None
         self.block_size = block_size
         self.scale = fam.attn_scale if fam.attn_scale is not None else s.head_dim**-0.5
         inner = inner_model(hf_model)
@@ -558,12 +561,27 @@ class LlamaModel:
         if self.device.type == "cpu" and into is None:
             return torch.tensor(values, dtype=torch.long, device=self.device)
         host = torch.tensor(values, dtype=torch.long, device="cpu")
-        if self.device.type != "cpu":
-            staging = torch.empty(len(values), dtype=torch.long, device="cpu", pin_memory=True)
-            host = staging.copy_(host)
-        if into is not None:
-            return into.copy_(host, non_blocking=True)
-        return host.to(self.device, non_blocking=True)
+        if self.device.type == "cpu":  # into a buffer on the CPU: a plain copy
+            return into.copy_(host)  # type: ignore[union-attr]
+        if self._device_ops is None:
+            from wattserve.daemon.engine.device_ops import DeviceOps
+
+            self.set_device_ops(DeviceOps(self.device), persistent=False)
+        # a pinned buffer, one non-blocking upload ordered before the step's kernels
+        n = len(values)
+        ring = self._staging
+        staging = ring.take(n) if ring is not None else self._device_ops.pinned(n, torch.long)
+        return self._device_ops.upload(staging.copy_(host), into)
+
+    def set_device_ops(self, ops, persistent: bool = True) -> None:
+        """Route to_device's uploads through `ops` (device_ops.DeviceOps). persistent:
+        from a ring of pinned buffers, which is safe only for a caller that waits on each
+        step's read-back before launching the step two after it (the engine); else a new
+        pinned buffer per upload."""
+        from wattserve.daemon.engine.device_ops import Ring
+
+        self._device_ops = ops
+        self._staging = Ring(ops.pinned, torch.long) if persistent else None
 
     @torch.inference_mode()
     def forward(self, inp: StepInputs) -> torch.Tensor:

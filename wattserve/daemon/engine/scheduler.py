@@ -19,6 +19,9 @@ from wattserve.daemon.engine.kv_cache import KVCacheManager
 # waiting it steps only this often, and the systemd watchdog (a ping at half WatchdogSec,
 # only after engine progress) must see a step between any two pings: keep it far below.
 DECODE_INTERVAL_MAX_MS = 1000.0
+# The output token id of a step committed ahead of its read-back (commit_ahead), until
+# settle() writes the sampled id; never fed to the model (its input comes from the device).
+PLACEHOLDER = -1
 
 
 @dataclass(frozen=True)
@@ -67,10 +70,18 @@ class Sequence:
     # False for a request that needs every prompt position computed (prompt logprobs):
     # admission then takes no cached blocks for it.
     reuse_cached_prefix: bool = True
+    # Tokens at the end of output_token_ids committed ahead of their read-back
+    # (Scheduler.commit_ahead): placeholders until settle() puts the sampled id there.
+    num_ahead: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_known(self) -> int:
+        """Output tokens whose ids are known (those committed ahead apart)."""
+        return len(self.output_token_ids) - self.num_ahead
 
     @property
     def sort_key(self) -> tuple[int, int]:
@@ -261,3 +272,47 @@ class Scheduler:
                     # in the next steps' prefill budget, as transformers' generate does.
                     self.kv.free(seq.seq_id)
                     seq.num_computed_tokens = 0
+
+    # ---- asynchronous steps: a step committed before its tokens are read back ----------
+    def commit_ahead(self, plan: SchedulePlan) -> dict[str, int]:
+        """Record a launched step whose sampled ids stay on the device: computed counts
+        advance and each sampling chunk's sequence gets a PLACEHOLDER token, so that the
+        next step is scheduled as if each continues. Returns {seq_id: index of its
+        placeholder in output_token_ids}, for settle()."""
+        at: dict[str, int] = {}
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            self._cache_known_blocks(seq)
+            if chunk.samples:
+                seq.output_token_ids.append(PLACEHOLDER)
+                seq.num_ahead += 1
+                at[seq.seq_id] = len(seq.output_token_ids) - 1
+        return at
+
+    def settle(self, seq: Sequence, index: int, token: int | None) -> None:
+        """Put a read-back token where commit_ahead left its placeholder; None (a row that
+        failed) drops it and any placeholder after it."""
+        if token is None:
+            dropped = len(seq.output_token_ids) - index
+            del seq.output_token_ids[index:]
+            seq.num_ahead = max(0, seq.num_ahead - dropped)
+            return
+        seq.output_token_ids[index] = token
+        seq.num_ahead -= 1
+        if seq.status is SeqStatus.RUNNING:
+            self._cache_known_blocks(seq)
+
+    def _cache_known_blocks(self, seq: Sequence) -> None:
+        """Register the full blocks computed so far whose token ids are all known."""
+        if not self.kv.enable_prefix_caching:
+            return
+        bs = self.kv.block_size
+        done = self.kv.num_cached_blocks(seq.seq_id)
+        full = min(seq.num_computed_tokens, seq.num_tokens - seq.num_ahead) // bs
+        if full > done:
+            self.kv.cache_full_blocks(
+                seq.seq_id, seq.token_ids(done * bs, full * bs), self.prefix_salt(seq)
+            )
