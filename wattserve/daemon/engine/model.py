@@ -9,7 +9,8 @@ kv_cache.py) nor which tokens run (scheduler.py). The matmul weights come in lev
 model's weights on first use; forward() reads the active level once per call, so a
 switch between two steps leaves the KV cache and every running sequence as they are.
 Everything lives on one torch device (the engine's): weights, the KV pool, the rotary
-table and each step's tensors, which prepare() builds on the host and moves in one copy
+table and each step's tensors, which prepare() builds on the host (the block tables
+gathered from rows kept per sequence, block_table.py) and moves in one copy
 (from pinned memory, non-blocking, on CUDA). forward() itself never reads a value back to
 the host. Attention is one call per layer for every step kind: on the CPU the C++ kernel,
 on CUDA our Triton kernel (wattserve/kernels/triton_attention.py; its query tiles come
