@@ -243,3 +243,28 @@ def test_loop_delivery_crosses_to_the_loop_once_per_step():
     loop.close()
     assert got == {"a": ["x", "z"], "b": ["y"]} and on_loop == [True, True, True]
     LoopDelivery(loop)(step)  # a closed loop: the engine thread hears nothing
+
+
+def test_a_stream_event_queue_keeps_order_and_survives_a_cancelled_get():
+    import asyncio
+
+    from wattserve.daemon.api.generation import EventQueue
+
+    async def scenario() -> list:
+        q = EventQueue()
+        q.put_nowait("early")  # before anyone waits
+        got = [await q.get()]
+        getter = asyncio.create_task(q.get())
+        await asyncio.sleep(0)  # it waits now
+        q.put_nowait("woken")
+        got.append(await getter)
+        cancelled = asyncio.create_task(q.get())
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        q.put_nowait("after")  # nobody waits: kept, not lost on the dead future
+        q.put_nowait(None)
+        got += [await q.get(), await q.get(), q.qsize()]
+        return got
+
+    assert asyncio.run(scenario()) == ["early", "woken", "after", None, 0]

@@ -6,8 +6,9 @@ their shape, by counts that do not depend on the machine or its load:
 
 - a decode step touches the same number of elements of the sequences' token lists at a
   context of 2048 tokens as at 64 (token lists are a list subclass that counts what
-  iteration, slicing and copying read), and the incremental detokenizer's memory per
-  token does not grow with the text made so far;
+  iteration, slicing and copying read), copies as many block ids into the step's block
+  table (only those of new blocks), and the incremental detokenizer's memory per token
+  does not grow with the text made so far;
 - the Python and C calls a decode step makes grow linearly with the batch: the calls one
   more sequence adds are as many from 64 to 256 as from 1 to 64, and a sequence at batch
   256 costs no more calls than the single sequence at batch 1 (sys.setprofile counts).
@@ -120,6 +121,24 @@ def test_a_decode_step_reads_as_much_of_the_token_lists_at_2048_tokens_as_at_64(
     # the new token's row in the step's input and, once a block in 16 steps, its 16 ids
     # for the prefix cache: about 2 a sequence a step, never the whole history
     assert 0 < short <= 3 * 4
+
+
+def block_ids_written_per_step(tok, context: int, batch: int = 4) -> float:
+    engine, _ = decoding_engine(tok, batch, context)
+    table = engine.model.host_block_table
+    before = table.entries_written
+    for _ in range(STEPS):
+        engine.step()
+    assert engine.num_running == batch
+    return (table.entries_written - before) / STEPS
+
+
+def test_a_decode_step_copies_only_new_block_ids_at_2048_tokens_as_at_64(tok):
+    short = block_ids_written_per_step(tok, 64)
+    long = block_ids_written_per_step(tok, 2048)
+    assert long == short
+    # a block id a sequence every 16 steps (two of them over the 32), not its whole table
+    assert 0 < short <= 4 * 2 / STEPS
 
 
 def test_the_detokenizer_keeps_no_history(tok):

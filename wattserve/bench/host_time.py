@@ -137,7 +137,8 @@ class StubForward:
 
 class ApiLikeConsumers:
     """The API's delivery path without HTTP: LoopDelivery onto an asyncio loop on its own
-    thread, one asyncio.Queue and consumer task per request that keeps the text."""
+    thread, one EventQueue (the API's GenerationStream's) and consumer task per request
+    that keeps the text."""
 
     def __init__(self) -> None:
         from wattserve.daemon.api.generation import LoopDelivery
@@ -150,17 +151,14 @@ class ApiLikeConsumers:
         self.events = 0
 
     def sink_for(self, rid: str):
-        queue: asyncio.Queue = asyncio.run_coroutine_threadsafe(
-            self._make_queue(), self.loop
-        ).result()
+        from wattserve.daemon.api.generation import EventQueue
+
+        queue = EventQueue()
         self.texts[rid] = parts = []
         asyncio.run_coroutine_threadsafe(self._consume(queue, parts), self.loop)
         return queue.put_nowait
 
-    async def _make_queue(self) -> asyncio.Queue:
-        return asyncio.Queue()
-
-    async def _consume(self, queue: asyncio.Queue, parts: list[str]) -> None:
+    async def _consume(self, queue, parts: list[str]) -> None:
         while True:
             out = await queue.get()
             self.events += 1

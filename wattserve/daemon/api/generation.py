@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 
 from wattserve.daemon.api.state import ServingState
 from wattserve.daemon.engine.engine import Engine, Sink, call_each
@@ -42,6 +43,40 @@ class LoopDelivery:
             pass  # the loop is closed: the process is exiting and nobody listens
 
 
+class EventQueue:
+    """One request's events on the loop, for one consumer: put_nowait() from the
+    delivery, `await get()` in the request's handler. What asyncio.Queue does for this
+    case (unbounded, one getter) without its bookkeeping: a put appends and wakes the
+    waiting getter, if any, through one future."""
+
+    __slots__ = ("_events", "_waiter")
+
+    def __init__(self) -> None:
+        self._events: deque = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self._events.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # cancelled with its getter
+                waiter.set_result(None)
+
+    async def get(self):
+        while not self._events:
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                if self._waiter is waiter:
+                    self._waiter = None
+        return self._events.popleft()
+
+    def qsize(self) -> int:
+        return len(self._events)
+
+
 def _deliver_on(engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
     """Make sure the engine delivers to this loop (the first request installs it)."""
     current = engine.delivery
@@ -62,7 +97,7 @@ class GenerationStream:
         self.error: str | None = None
         self._loop = asyncio.get_running_loop()
         # None in the queue means "the client went away" (see client_gone()).
-        self._queue: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
+        self._queue = EventQueue()
         self._first_token_s: float | None = None
         self._last_token_s: float | None = None
         self._closed = False

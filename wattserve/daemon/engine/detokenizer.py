@@ -72,6 +72,9 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix = 0
         self._read = len(self._ids)
+        # The text of ids[_prefix:_read], which only changes when text is released: each
+        # add() then decodes once, the window with its new token.
+        self._before: str | None = None
         # The text so far is text[:_base] (handed out, and too far back for a stop string
         # to reach into) + _buf; _emitted counts the characters handed out.
         self._buf = ""
@@ -91,15 +94,18 @@ class IncrementalDetokenizer:
         after it with include_stop)."""
         ids = self._ids
         ids.append(token_id)
-        before = self._decode(ids[self._prefix : self._read])
+        before = self._before
+        if before is None:
+            before = self._before = self._decode(ids[self._prefix : self._read])
         after = self._decode(ids[self._prefix :])
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return False  # no complete character yet
-        start = self.text_length
+        start = self._base + len(self._buf)
         self._buf += after[len(before) :]
         # The ids before the window of the next decode are never read again.
         self._ids = ids[self._read :]
         self._prefix, self._read = 0, len(self._ids)
+        self._before = None
         if not self._stop:
             return False
         base, buf = self._base, self._buf
@@ -121,8 +127,8 @@ class IncrementalDetokenizer:
 
     def take(self, final: bool = False) -> str:
         """Text not handed out yet; on `final`, everything left."""
-        length = self.text_length
-        upto = length if final else length - self._holdback()
+        length = self._base + len(self._buf)
+        upto = length if final or not self._stop else length - self._holdback()
         if upto <= self._emitted:
             return ""
         base = self._base

@@ -931,15 +931,18 @@ class Engine:
         """Detokenize a completed step's tokens, match stop strings and send its events;
         returns how many requests a stop string finished (_check_token's count apart)."""
         stopped = 0
+        requests, send = self._requests, self._outbox.append  # what _send does, per row
         for row in rows:
             req = row.req
-            if row.reason == "error":
+            reason = row.reason
+            if reason == "error":
                 self._finish(req, "error", row.error)
                 continue
-            reason = row.reason
-            if reason is None and self._requests.get(req.seq.seq_id) is not req:
+            seq = req.seq
+            if reason is None and requests.get(seq.seq_id) is not req:
                 continue  # ended since its token was sampled (its end was sent then)
-            if row.detokenize and req.detok.add(row.token):  # type: ignore[arg-type]
+            detok = req.detok
+            if row.detokenize and detok.add(row.token):  # type: ignore[arg-type]
                 stopped += reason is None
                 reason = "stop"  # a stop string outranks a length finish, as it ends first
             if reason is not None:
@@ -951,18 +954,20 @@ class Engine:
                     prompt_logprobs=row.prompt_logprobs,
                 )
                 continue
-            seq = req.seq
-            self._send(
-                req.sink,
-                RequestOutput(
-                    seq.seq_id,
-                    [row.token],  # type: ignore[list-item]
-                    req.detok.take(),
-                    prompt_tokens=len(seq.prompt_token_ids),
-                    completion_tokens=seq.num_output_known,
-                    logprobs=None if row.logprob is None else [row.logprob],
-                    prompt_logprobs=row.prompt_logprobs,
-                ),
+            lp = row.logprob
+            send(
+                (
+                    req.sink,
+                    RequestOutput(
+                        seq.seq_id,
+                        [row.token],  # type: ignore[list-item]
+                        detok.take(),
+                        prompt_tokens=len(seq.prompt_token_ids),
+                        completion_tokens=seq.num_output_known,
+                        logprobs=None if lp is None else [lp],
+                        prompt_logprobs=row.prompt_logprobs,
+                    ),
+                )
             )
         return stopped
 

@@ -9,7 +9,8 @@ kv_cache.py) nor which tokens run (scheduler.py). The matmul weights come in lev
 model's weights on first use; forward() reads the active level once per call, so a
 switch between two steps leaves the KV cache and every running sequence as they are.
 Everything lives on one torch device (the engine's): weights, the KV pool, the rotary
-table and each step's tensors, which prepare() builds on the host and moves in one copy
+table and each step's tensors, which prepare() builds on the host (the block tables
+gathered from rows kept per sequence, block_table.py) and moves in one copy
 (from pinned memory, non-blocking, on CUDA). forward() itself never reads a value back to
 the host. Attention is one call per layer for every step kind: on the CPU the C++ kernel,
 on CUDA our Triton kernel (wattserve/kernels/triton_attention.py; its query tiles come
@@ -22,11 +23,13 @@ from __future__ import annotations
 
 import importlib.util
 import threading
+from array import array
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from wattserve.daemon.engine.block_table import HostBlockTable, TableRows
 from wattserve.daemon.engine.families import (
     SUPPORTED_ARCHITECTURES,  # noqa: F401  (re-export)
     FamilyConfigError,
@@ -158,6 +161,9 @@ class StepLayout:
     context_lens: list[int] = field(default_factory=list)
     logits_indices: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)  # rows of equal width
+    # The same rows as one [B, W] host tensor when layout() made them (block_tables then
+    # reads it as lists only when asked); inputs_from() copies the tensor as it is.
+    block_table: torch.Tensor | None = None
     sampled_chunks: list[ScheduledChunk] = field(default_factory=list)
     prompt_logit_chunks: list[tuple[ScheduledChunk, int]] = field(default_factory=list)
     query_tiles: list[int] = field(default_factory=list)  # flat (chunk, first row) pairs
@@ -279,6 +285,8 @@ class LlamaModel:
             self.allocate_kv_cache(num_blocks)
         # Built (first start on this machine) or loaded now, not in the first request's step.
         self.attention_backend = _attention_backend(dev)
+        # Each sequence's block ids as a host tensor row, written as its table grows.
+        self.host_block_table = HostBlockTable()
         # Per-layer sliding windows (None: full causal) and the logit soft-cap, for the
         # model families that have them; every attention backend takes both.
         self.sliding_windows: list[int | None] = list(fam.windows)
@@ -497,6 +505,9 @@ class LlamaModel:
         ids, pos, slots = lay.input_ids, lay.positions, lay.slots
         extra_rows: list[int] = []
         plain_rows = not self.rope.length_dependent  # a position is its rope table row
+        seq_ids: list[str] = []
+        seq_tables: list[list[int]] = []
+        blocks: list[int] = []
         for c in chunks:
             table = tables[c.seq.seq_id]
             end = c.start + c.num_tokens
@@ -513,7 +524,9 @@ class LlamaModel:
                 slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, end))
             lay.query_start.append(len(ids))
             lay.context_lens.append(end)
-            lay.block_tables.append(table[: -(-end // bs)])
+            seq_ids.append(c.seq.seq_id)
+            seq_tables.append(table)
+            blocks.append(-(-end // bs))
             if c.samples:
                 lay.logits_indices.append(len(ids) - 1)
                 lay.sampled_chunks.append(c)
@@ -523,8 +536,8 @@ class LlamaModel:
                 extra_rows.extend(range(first, first + rows_n))
                 lay.prompt_logit_chunks.append((c, rows_n))
         lay.logits_indices.extend(extra_rows)
-        width = max((len(r) for r in lay.block_tables), default=0)
-        lay.block_tables = [_pad(r, width) for r in lay.block_tables]
+        lay.block_table = self.host_block_table.gather(seq_ids, seq_tables, blocks)
+        lay.block_tables = TableRows(lay.block_table)  # type: ignore[assignment]
         if self.attention_backend == "triton" and len(ids) != len(lay.context_lens):
             lay.query_tiles = query_tiles(lay.query_start)
         return lay
@@ -535,15 +548,33 @@ class LlamaModel:
         into: a device buffer of exactly lay's size to copy into (a CUDA graph's static
         inputs) instead of a new tensor.
         """
-        parts = lay.parts()
-        flat = self.to_device([v for part in parts for v in part], into)
-        views = flat.split([len(part) for part in parts])
+        if lay.block_table is None:
+            parts = lay.parts()
+            flat = self.to_device([v for part in parts for v in part], into)
+            sizes = [len(part) for part in parts]
+        else:  # the lists as one array, the table as it is: no per-block Python work
+            lists = [lay.input_ids, lay.positions, lay.slots, lay.query_start]
+            lists += [lay.context_lens, lay.logits_indices]
+            host = array("q")
+            for part in lists:
+                host.fromlist(part)
+            table = lay.block_table.view(-1)
+            tiles = torch.tensor(lay.query_tiles, dtype=torch.long, device="cpu")
+            # Under a FakeTensorMode (the device-trace tests) host tensors are fake too.
+            head = (
+                _long_tensor(host)
+                if type(table) is torch.Tensor
+                else torch.tensor(host, device="cpu")
+            )
+            flat = self.to_device(torch.cat([head, table, tiles]), into)
+            sizes = [len(part) for part in lists] + [table.numel(), tiles.numel()]
+        views = flat.split(sizes)
         rows = len(lay.block_tables)
         return StepInputs(
             input_ids=views[0],
             positions=views[1],
             slots=views[2],
-            block_tables=views[6].view(rows, len(parts[6]) // rows if rows else 0),
+            block_tables=views[6].view(rows, sizes[6] // rows if rows else 0),
             query_start=views[3],
             context_lens=views[4],
             logits_indices=views[5],
@@ -554,13 +585,20 @@ class LlamaModel:
             prompt_logit_chunks=lay.prompt_logit_chunks,
         )
 
-    def to_device(self, values: list[int], into: torch.Tensor | None = None) -> torch.Tensor:
+    def to_device(
+        self, values: list[int] | torch.Tensor, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """int64 [len(values)] on the model's device in one host-to-device copy: through
         pinned memory and non-blocking on CUDA (the copy is ordered on the stream before
         the step's kernels), built in place on the CPU. into: copy into this buffer."""
-        if self.device.type == "cpu" and into is None:
+        if isinstance(values, torch.Tensor):
+            host = values  # an int64 host tensor of the caller's, not kept
+            if self.device.type == "cpu" and into is None:
+                return host
+        elif self.device.type == "cpu" and into is None:
             return torch.tensor(values, dtype=torch.long, device=self.device)
-        host = torch.tensor(values, dtype=torch.long, device="cpu")
+        else:
+            host = torch.tensor(values, dtype=torch.long, device="cpu")
         if self.device.type == "cpu":  # into a buffer on the CPU: a plain copy
             return into.copy_(host)  # type: ignore[union-attr]
         if self._device_ops is None:
@@ -743,6 +781,8 @@ def _linear_bytes(layers: list[LayerWeights], lm_head: LinearLike) -> int:
     return per_layer + lm_head.nbytes
 
 
-def _pad(table: list[int], width: int) -> list[int]:
-    # Padding points at block 0; attention reads no further than the context length.
-    return table + [0] * (width - len(table))
+def _long_tensor(values: array) -> torch.Tensor:
+    """An int64 CPU tensor over an array('q') (sharing its memory)."""
+    if not values:
+        return torch.empty(0, dtype=torch.long, device="cpu")
+    return torch.frombuffer(values, dtype=torch.long)

@@ -12,6 +12,7 @@ import enum
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from wattserve.daemon.engine.kv_cache import KVCacheManager
 
@@ -97,9 +98,10 @@ class Sequence:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """Compute tokens [start, start + num_tokens) of seq; sample after it if `samples`."""
+class ScheduledChunk(NamedTuple):
+    """Compute tokens [start, start + num_tokens) of seq; sample after it if `samples`.
+    (Immutable as a frozen dataclass is, and made once per sequence a step at a third
+    of its cost.)"""
 
     seq: Sequence
     start: int
@@ -201,16 +203,20 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         scheduled: set[str] = set()
         # (sequence, tokens it has not computed), decodes (one token) before prefills
-        pending = [(s, s.num_tokens - s.num_computed_tokens) for s in self.running]
+        pending = [
+            (s, len(s.prompt_token_ids) + len(s.output_token_ids) - s.num_computed_tokens)
+            for s in self.running
+        ]
         order = [p for p in pending if p[1] == 1] + [p for p in pending if p[1] > 1]
+        allocate, running = self.kv.allocate, SeqStatus.RUNNING
         for seq, left in order:
             if budget == 0:
                 break
-            if seq.status is not SeqStatus.RUNNING:
+            if seq.status is not running:
                 continue  # preempted earlier in this loop
             n = min(left, budget)
             start = seq.num_computed_tokens
-            while not self.kv.allocate(seq.seq_id, start + n):
+            while not allocate(seq.seq_id, start + n):
                 victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -251,23 +257,28 @@ class Scheduler:
     def commit(self, plan: SchedulePlan, sampled: dict[str, int]) -> None:
         """Record a finished step: advance computed counts, register the blocks it filled
         in the prefix cache, append sampled tokens."""
-        bs = self.kv.block_size
-        for chunk in plan.chunks:
-            seq = chunk.seq
-            if seq.status is not SeqStatus.RUNNING:
+        kv = self.kv
+        bs, caching, recompute_at = (
+            kv.block_size,
+            kv.enable_prefix_caching,
+            self.recompute_at_tokens,
+        )
+        running = SeqStatus.RUNNING
+        for seq, start, num_tokens, samples in plan.chunks:
+            if seq.status is not running:
                 continue  # finished or aborted while the step ran
-            seq.num_computed_tokens = chunk.start + chunk.num_tokens
-            if self.kv.enable_prefix_caching:
-                done = self.kv.num_cached_blocks(seq.seq_id)
+            seq.num_computed_tokens = start + num_tokens
+            if caching:
+                done = kv.num_cached_blocks(seq.seq_id)
                 full = seq.num_computed_tokens // bs
                 if full > done:
-                    self.kv.cache_full_blocks(
+                    kv.cache_full_blocks(
                         seq.seq_id, seq.token_ids(done * bs, full * bs), self.prefix_salt(seq)
                     )
             token = sampled.get(seq.seq_id)
-            if chunk.samples and token is not None:
+            if samples and token is not None:
                 seq.output_token_ids.append(token)
-                if seq.num_tokens == self.recompute_at_tokens:
+                if recompute_at is not None and seq.num_tokens == recompute_at:
                     # Its KV so far was computed under the old rope: recompute it all,
                     # in the next steps' prefill budget, as transformers' generate does.
                     self.kv.free(seq.seq_id)
