@@ -135,6 +135,21 @@ def test_rows_that_need_host_state_run_synchronously_with_the_same_outputs(tiny_
     assert outs[True] == outs[False]
 
 
+def test_sampled_rows_without_a_device_sampler_run_synchronously_with_the_same_outputs(
+    tiny_llama,
+):
+    # Off CUDA device_ids has no sampler for them: the step's logits, processed once for
+    # the device attempt, are what the host sampler draws from.
+    sampled = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=5, logprobs=2)
+    outs = {}
+    for mode in (False, True):
+        engine = make_engine(tiny_llama, mode)
+        outs[mode] = [_summary(o) for o in engine.generate([PROMPT], [sampled])]
+        if mode:
+            assert [op for op in engine.device_ops.ops if op[0] != "launch"] == []
+    assert outs[True] == outs[False]
+
+
 def test_greedy_outputs_match_hf_through_chunked_prefill_preemption_and_prefix_cache(
     tiny_llama,
 ):

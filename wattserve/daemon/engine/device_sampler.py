@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from wattserve.daemon.engine.request import SamplingParams, TokenLogprob
+from wattserve.daemon.engine.sampler import greedy_ids
 from wattserve.kernels.norm_rope import triton_rows_take
 
 _UNSEEDED = random.Random()  # seeds for rows without one (OS entropy)
@@ -43,11 +44,7 @@ def device_ids(
     the logits' device), needed by sampled rows; upload(host uint8 tensor) -> the same bytes
     on the device (default: a plain non-blocking copy; the engine passes its pinned one)."""
     if all(p.greedy for p in params):
-        if triton_rows_take(logits):  # one launch on CUDA
-            return torch.ops.wattserve.triton_greedy_ids(logits)
-        # A row's maximum is NaN if any logit is, +inf if any is, -inf if none is finite.
-        finite = torch.isfinite(logits.amax(dim=-1))
-        return torch.where(finite, logits.argmax(dim=-1), -1)
+        return greedy_ids(logits)
     if steps is None or logits.dtype != torch.float32 or not triton_rows_take(logits):
         return None
     import wattserve.kernels.triton_sample  # noqa: F401  (registers the op)

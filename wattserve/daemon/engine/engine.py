@@ -199,6 +199,9 @@ class _Launched:
     read_back: torch.Tensor | None = None
     event: object | None = None
     ahead_at: dict[str, int] = field(default_factory=dict)
+    # The sampled rows' processed logits, when _sample_on_device made them and then left
+    # the step synchronous (no device sampler): _complete samples from them.
+    processed: torch.Tensor | None = None
 
 
 @dataclass
@@ -711,17 +714,16 @@ class Engine:
         from the step before (grammar masks, penalties over output ids) or a sampler the
         device has not got (device_ids returns None)."""
         reqs = step.reqs
-        if any(r.grammar is not None or r.params.penalized for r in reqs):
-            return
+        if not reqs or any(r.grammar is not None or r.params.penalized for r in reqs):
+            return  # nothing sampled, or a row needs host state: synchronous
         params = [r.params for r in reqs]
         # narrow, not [:n]: Python indexing of a device tensor needs its library, which a
         # fake CUDA device on a CPU-only torch has not got (as in the sampler)
         rows = step.logits.narrow(0, 0, len(reqs))
         processed = process(rows, params, [r.history for r in reqs], self.eos_token_ids)
-        # A sampled row's Philox counter: the position of the token it chooses.
-        steps = [c.start + c.num_tokens for c in step.lay.sampled_chunks]
-        ids = device_ids(processed, params, steps, self._upload_params) if reqs else None
+        ids = device_ids(processed, params, _positions(step), self._upload_params)
         if ids is None:
+            step.processed = processed
             return
         packed = packed_read_back(processed, ids, params)
         step.read_back = self._read_backs.take(packed.numel())
@@ -744,8 +746,10 @@ class Engine:
         try:
             self._gather_prompt_logprobs(step.lay, logits[len(reqs) :], step.requests)
             params = [r.params for r in reqs]
-            history = [r.history for r in reqs]
-            processed = process(logits[: len(reqs)], params, history, self.eos_token_ids)
+            processed = step.processed
+            if processed is None:
+                history = [r.history for r in reqs]
+                processed = process(logits[: len(reqs)], params, history, self.eos_token_ids)
             processed = apply_masks(processed, step.masks)
             tokens = self._sample_sync(step, processed, params)
             logprobs = _sampled_logprobs(processed, params, tokens)
@@ -778,8 +782,7 @@ class Engine:
         whether or not a grammar or penalised row made its step synchronous."""
         ids = None
         if not all(p.greedy for p in params):
-            steps = [c.start + c.num_tokens for c in step.lay.sampled_chunks]
-            ids = device_ids(processed, params, steps, self._upload_params)
+            ids = device_ids(processed, params, _positions(step), self._upload_params)
         if ids is None:
             return sample(processed, params, [r.generator for r in step.reqs])
         return [None if t < 0 else t for t in ids.tolist()]
@@ -1102,6 +1105,12 @@ class Engine:
         while self.has_work():
             self.step()
         return [merged[rid] for rid in order]
+
+
+def _positions(step: _Launched) -> list[int]:
+    """Each sampled row's Philox counter for the device sampler: the position of the token
+    it chooses (so a seeded request's draws depend on nothing else in its step)."""
+    return [c.start + c.num_tokens for c in step.lay.sampled_chunks]
 
 
 def _sampled_logprobs(

@@ -33,6 +33,16 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return g
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """logits: [N, V] float32 -> each row's argmax, int64 [N] on the logits' device, -1
+    for a row with a NaN, a +inf or nothing finite; nothing is read back."""
+    if triton_rows_take(logits):  # one launch on CUDA
+        return torch.ops.wattserve.triton_greedy_ids(logits)
+    # A row's maximum is NaN if any logit is, +inf if any is, -inf if none is finite.
+    finite = torch.isfinite(logits.amax(dim=-1))
+    return torch.where(finite, logits.argmax(dim=-1), -1)
+
+
 # Each truncating row looks for its kept tokens among its this many most likely ones
 # (a top-k over the batch: 3 ms for 32 rows of 49,152 here, 11 ms for 1,024).
 _CANDIDATES = 256
@@ -53,8 +63,7 @@ def sample(
     n, vocab = logits.shape
     dev = logits.device
     if all(p.greedy for p in params) and triton_rows_take(logits):  # one launch on CUDA
-        ids = torch.ops.wattserve.triton_greedy_ids(logits).cpu().tolist()
-        return [None if t < 0 else t for t in ids]
+        return [None if t < 0 else t for t in greedy_ids(logits).cpu().tolist()]
     # A row's maximum is NaN if any logit is, +inf if any is, -inf if none is finite.
     finite = torch.isfinite(logits.amax(dim=-1))
     tokens = logits.argmax(dim=-1)
