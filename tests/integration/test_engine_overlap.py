@@ -18,7 +18,7 @@ from tests.integration.test_engine import (
     prompts_for,
     recording,
 )
-from wattserve.daemon.engine import engine as engine_module
+from wattserve.daemon.engine import detokenizer as detokenizer_module
 from wattserve.daemon.engine.engine import Engine
 from wattserve.daemon.engine.request import RequestOutput, SamplingParams
 
@@ -45,14 +45,19 @@ def test_step_n_is_detokenized_after_step_n_plus_1_is_launched(tiny_llama, monke
         order.append(("forward", len(order)))
         return real_forward(inputs)
 
-    real_add = engine_module.IncrementalDetokenizer.add
+    real_stream = detokenizer_module.text_stream
 
-    def add(self, token_id):
-        order.append(("text", token_id))
-        return real_add(self, token_id)
+    def text_stream(*args):
+        step = real_stream(*args)
+
+        def recorded(token_id):
+            order.append(("text", token_id))
+            return step(token_id)
+
+        return recorded
 
     engine.model.forward = forward
-    monkeypatch.setattr(engine_module.IncrementalDetokenizer, "add", add)
+    monkeypatch.setattr(detokenizer_module, "text_stream", text_stream)
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     delivered: list[int] = []
     engine.add_request(PROMPT, params, lambda out: delivered.extend(out.token_ids))

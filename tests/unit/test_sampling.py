@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -68,6 +70,24 @@ def test_detokenizer_streams_multibyte_text_exactly(tok):
     pieces.append(detok.take(final=True))
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_the_backend_stream_and_the_window_decoder_give_decode_s_text(tok):
+    from wattserve.daemon.engine import detokenizer
+
+    context = tok.encode("say:", add_special_tokens=False)
+    ids = tok.encode(" café 日本語 €uro, naïve ünïcödé!", add_special_tokens=False)
+    want = tok.decode(context + ids)[len(tok.decode(context)) :]
+    stream = detokenizer.text_stream(tok, context, True)
+    assert isinstance(stream, functools.partial)  # tokenizers' DecodeStream here
+    window = detokenizer._WindowDecoder(tok.decode, context).step
+    for step in (stream, window):
+        pieces = [step(t) for t in ids]
+        assert "".join(p for p in pieces if p) == want
+        assert None in pieces  # a character split over tokens waits for its last piece
+    detok = IncrementalDetokenizer(tok, context)  # no stop strings: step()'s short path
+    assert "".join(detok.step(t) for t in ids) + detok.take(final=True) == want
+    assert detok.text_length == len(want)
 
 
 def test_stop_string_matched_across_tokens_and_not_emitted(tok):

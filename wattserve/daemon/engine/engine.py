@@ -298,6 +298,10 @@ class Engine:
         self._kv_bytes_per_token = bpb // options.block_size_tokens
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, _Request] = {}
+        # Those of _requests that ask for prompt logprobs, and those with a grammar: most
+        # steps have none, and then skip that work without a look at every row.
+        self._prompt_logprob_ids: set[str] = set()
+        self._grammar_ids: set[str] = set()
         self._overlap_detokenize = (
             options.overlap_detokenize
             if options.overlap_detokenize is not None
@@ -567,6 +571,10 @@ class Engine:
             kind, payload = item
             if kind == "add":
                 self._requests[payload.seq.seq_id] = payload
+                if payload.params.prompt_logprobs is not None:
+                    self._prompt_logprob_ids.add(payload.seq.seq_id)
+                if payload.grammar is not None:
+                    self._grammar_ids.add(payload.seq.seq_id)
                 self.scheduler.add(payload.seq)
                 self.counters.prompt_tokens += len(payload.seq.prompt_token_ids)
             elif kind == "abort" and aborts is not None:
@@ -652,11 +660,7 @@ class Engine:
             plan, t0, {c.seq.seq_id: self._requests[c.seq.seq_id] for c in plan.chunks}
         )
         try:
-            lay = self.model.layout(
-                plan.chunks,
-                {c.seq.seq_id: self.kv.table(c.seq.seq_id) for c in plan.chunks},
-                self._prompt_logits_wanted(plan),
-            )
+            lay = self.model.layout(plan.chunks, self.kv.tables, self._prompt_logits_wanted(plan))
             carry = self._carried_ids(plan, lay, prev)
             logits = self._graphs.run(lay, carry) if self._graphs is not None else None
             if logits is None:  # no graph for this step (or none at all): eager
@@ -671,7 +675,7 @@ class Engine:
             step.lay, step.logits, step.reqs = lay, logits, reqs
             if self._async and not lay.prompt_logit_chunks:
                 self._sample_on_device(step, step_no)
-            if step.event is None:
+            if step.event is None and self._grammar_ids:
                 # Before the logits are read: on a GPU this overlaps the forward still running.
                 step.masks = self.grammars.fill_masks([r.grammar for r in reqs])
         except Exception:  # a bug in one batch must not take the daemon down
@@ -818,6 +822,8 @@ class Engine:
 
     def _prompt_logits_wanted(self, plan: SchedulePlan) -> frozenset[str]:
         """Sequences whose chunk this step covers prompt positions not gathered yet."""
+        if not self._prompt_logprob_ids:
+            return frozenset()  # no request asks for prompt logprobs: the common case
         wanted = []
         for c in plan.chunks:
             req = self._requests[c.seq.seq_id]
@@ -942,11 +948,14 @@ class Engine:
                 self._finish(req, "error", row.error)
                 continue
             seq = req.seq
-            if reason is None and requests.get(seq.seq_id) is not req:
-                continue  # ended since its token was sampled (its end was sent then)
-            detok = req.detok
-            if row.detokenize and detok.add(row.token):  # type: ignore[arg-type]
-                stopped += reason is None
+            if reason is None:
+                if requests.get(seq.seq_id) is not req:
+                    continue  # ended since its token was sampled (its end was sent then)
+                text = req.detok.step(row.token)  # type: ignore[arg-type]
+                if text is None:
+                    stopped += 1
+                    reason = "stop"
+            elif row.detokenize and req.detok.add(row.token):  # type: ignore[arg-type]
                 reason = "stop"  # a stop string outranks a length finish, as it ends first
             if reason is not None:
                 self._finish(
@@ -964,9 +973,9 @@ class Engine:
                     RequestOutput(
                         seq.seq_id,
                         [row.token],  # type: ignore[list-item]
-                        detok.take(),
+                        text,
                         prompt_tokens=len(seq.prompt_token_ids),
-                        completion_tokens=seq.num_output_known,
+                        completion_tokens=len(seq.output_token_ids) - seq.num_ahead,
                         logprobs=None if lp is None else [lp],
                         prompt_logprobs=row.prompt_logprobs,
                     ),
@@ -979,6 +988,8 @@ class Engine:
         if self._requests.get(req.seq.seq_id) is req:
             self.scheduler.finish(req.seq.seq_id)
             del self._requests[req.seq.seq_id]
+            self._prompt_logprob_ids.discard(req.seq.seq_id)
+            self._grammar_ids.discard(req.seq.seq_id)
 
     def _finish(
         self,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -110,6 +111,11 @@ class KVCacheManager:
 
     def table(self, seq_id: str) -> list[int]:
         return self._tables.get(seq_id, [])
+
+    @property
+    def tables(self) -> Mapping[str, list[int]]:
+        """Every sequence's block list by id (read them, never change them)."""
+        return self._tables
 
     def extra_blocks_needed(self, seq_id: str, num_tokens: int) -> int:
         return max(0, self.blocks_for(num_tokens) - len(self.table(seq_id)))

@@ -34,6 +34,8 @@ def process(
 ) -> torch.Tensor:
     """logits: [N, V] float32, one row per sampled request -> processed logits (a copy
     when anything applies, else the same tensor)."""
+    if not any(p.processes_logits for p in params):
+        return logits  # the common case: one pass over the rows
     n, vocab = logits.shape
     penal = [i for i, p in enumerate(params) if p.penalized]
     biased = [i for i, p in enumerate(params) if p.logit_bias]

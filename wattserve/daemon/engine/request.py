@@ -6,6 +6,7 @@ the error raised for bad input. No torch, no tokenizer, no scheduling here.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, fields
 from typing import Literal
@@ -88,7 +89,9 @@ class SamplingParams:
         params.validate()
         return params
 
-    @property
+    # The three below are read for every row of every step: each is worked out once (a
+    # cached_property writes the instance's __dict__, which a frozen dataclass allows).
+    @functools.cached_property
     def penalized(self) -> bool:
         """True when any penalty changes the logits (rows without one skip that work)."""
         return (
@@ -97,10 +100,15 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
         )
 
-    @property
+    @functools.cached_property
     def greedy(self) -> bool:
         # Temperatures this small make logits / T overflow; they mean greedy anyway.
         return self.temperature < _MIN_SAMPLING_TEMPERATURE or self.top_k == 1
+
+    @functools.cached_property
+    def processes_logits(self) -> bool:
+        """True when logits.process may change this row (penalties, logit_bias, min_tokens)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
     def validate(self) -> None:
         _check_int("max_tokens", self.max_tokens, minimum=1)

@@ -39,8 +39,8 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     if triton_rows_take(logits):  # one launch on CUDA
         return torch.ops.wattserve.triton_greedy_ids(logits)
     # A row's maximum is NaN if any logit is, +inf if any is, -inf if none is finite.
-    finite = torch.isfinite(logits.amax(dim=-1))
-    return torch.where(finite, logits.argmax(dim=-1), -1)
+    top, ids = logits.max(dim=-1)
+    return torch.where(torch.isfinite(top), ids, -1)
 
 
 # Each truncating row looks for its kept tokens among its this many most likely ones
@@ -62,11 +62,11 @@ def sample(
     """
     n, vocab = logits.shape
     dev = logits.device
-    if all(p.greedy for p in params) and triton_rows_take(logits):  # one launch on CUDA
+    if all(p.greedy for p in params):  # one launch on CUDA
         return [None if t < 0 else t for t in greedy_ids(logits).cpu().tolist()]
     # A row's maximum is NaN if any logit is, +inf if any is, -inf if none is finite.
-    finite = torch.isfinite(logits.amax(dim=-1))
-    tokens = logits.argmax(dim=-1)
+    top, tokens = logits.max(dim=-1)
+    finite = torch.isfinite(top)
     spills = torch.zeros(n, dtype=torch.long, device=dev)
     truncating = {r: _truncates(p, vocab) for r, p in enumerate(params) if not p.greedy}
     # plain-temperature rows first, then the truncating ones: each part a slice
