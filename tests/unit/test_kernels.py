@@ -393,11 +393,12 @@ def test_linear_matches_f_linear(tokens, bias):
     torch.testing.assert_close(Linear(w, b)(x), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("out_features,in_features", [(50, 40), (8, 3), (64, 33)])
+@pytest.mark.parametrize("out_features,in_features", [(50, 40), (8, 3), (64, 33), (200, 24)])
 @pytest.mark.parametrize("tokens", [1, 13, 25, 37])
 def test_dense_kernel_matches_f_linear_on_partial_panels(out_features, in_features, tokens):
-    # Output counts that end inside a 32-column panel (both halves, or the first only) and
-    # row counts that split into unequal register tiles.
+    # Output counts that end inside a 32-column panel (both halves, or the first only), one
+    # row over groups of four panels and the panels left over, and row counts that split
+    # into unequal register tiles.
     g = torch.Generator().manual_seed(out_features * 100 + tokens)
     w = torch.randn(out_features, in_features, generator=g)
     b = torch.randn(out_features, generator=g)
@@ -415,7 +416,7 @@ def test_dense_kernel_gives_a_row_the_same_bits_in_any_batch():
     # logprobs equal with and without overlap, preemption, batching): every row sums its
     # in-features in one order whatever tile it lands in.
     g = torch.Generator().manual_seed(11)
-    w = torch.randn(70, 96, generator=g)
+    w = torch.randn(230, 96, generator=g)  # 8 panels, the last partial
     x = torch.randn(40, 96, generator=g)
     layer = Linear(w)
     whole = layer(x)
