@@ -6,8 +6,13 @@ gemma-3-1b) and 2-4 layers, in float32 on the CPU, the same torch threads on bot
 The engine's model (prepare/forward over its paged KV cache, one sequence, greedy) is
 timed against transformers' generate on the same weights: prefill tok/s of one prompt and
 single-stream decode tok/s; the greedy tokens must be identical and the largest logit
-error is reported relative to max|logit|. The last line printed is one JSON object with
-`families`. Nothing is downloaded; this module's top level imports no torch.
+error is reported relative to max|logit|. A decode step reads every weight once, so the
+engine's decode is bounded by memory bandwidth: each family also reports the weight bytes
+a step reads times its decode rate (`decode_weight_gb_s`) and what this machine read just
+before (`machine_read_gb_s`, a sum over 512 MiB on the same threads; on a shared host it
+moves from run to run, and the ratio with it: transformers' own GEMV reads at about 20
+GB/s here and hardly moves). The last line printed is one JSON object with `families`.
+Nothing is downloaded; this module's top level imports no torch.
 """
 
 from __future__ import annotations
@@ -191,6 +196,19 @@ def hf_run(hf_model, prompt: list[int], new_tokens: int):
     return tokens, torch.cat(out.logits).float(), prefill, decode
 
 
+def machine_read_gb_s() -> float:
+    """GB/s a float32 sum over 512 MiB reads on torch's threads (best of three)."""
+    import torch
+
+    x = torch.ones(128 * 2**20)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
 def bench_family(family: str, args) -> dict:
     import random
 
@@ -205,9 +223,15 @@ def bench_family(family: str, args) -> dict:
     blocks = -(-(args.prompt_tokens + args.new_tokens) // 16) + 1
     model = LlamaModel(hf, blocks, 16, torch.float32, "cpu")
     engine_run(model, prompt[:8], 3)  # warm: kernels loaded, first-call allocations done
+    read_gb_s = machine_read_gb_s()
     ours, our_logits, our_prefill_s, our_decode_s = engine_run(model, prompt, args.new_tokens)
     theirs, hf_logits, hf_prefill_s, hf_decode_s = hf_run(hf, prompt, args.new_tokens)
     err = ((our_logits - hf_logits).abs().max() / hf_logits.abs().max()).item()
+    # what a decode step reads: weight_bytes() less an embedding table of its own (a step
+    # reads one row of it)
+    step_bytes = model.weight_bytes() - (
+        0 if model.tied_embeddings else model.embed.numel() * model.embed.element_size()
+    )
     return {
         "layers": args.layers,
         "vocab": vocab,
@@ -217,6 +241,8 @@ def bench_family(family: str, args) -> dict:
         "hf_decode_tok_s": round(1 / hf_decode_s, 2),
         "ratio_vs_hf": round(hf_decode_s / our_decode_s, 2),
         "prefill_ratio_vs_hf": round(hf_prefill_s / our_prefill_s, 2),
+        "decode_weight_gb_s": round(step_bytes / our_decode_s / 1e9, 1),
+        "machine_read_gb_s": round(read_gb_s, 1),
         "greedy_identical": ours == theirs,
         "max_logit_rel_err": float(f"{err:.3g}"),
     }
