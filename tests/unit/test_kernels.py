@@ -450,3 +450,25 @@ def test_linear_bf16_matches_f_linear():
     w = torch.randn(64, 48, generator=g).bfloat16()
     x = torch.randn(3, 48, generator=g).bfloat16()
     torch.testing.assert_close(Linear(w)(x).float(), F.linear(x, w).float(), **BF16_TOL)
+
+
+@pytest.mark.parametrize("vocab", [5, 16, 37, 2500])
+def test_greedy_rows_takes_the_first_argmax_and_fails_bad_rows(vocab):
+    # The vector loop and the tail (vocabularies below, at and past 16 lanes): a tie goes
+    # to the first index as torch's argmax; a NaN, a +inf or no finite value gives -1.
+    assert load_cpu_kernels()
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(7, vocab, generator=g)
+    x[1, 0] = x[1, vocab - 1] = 50.0
+    x[2, vocab // 2] = float("nan")
+    x[3, vocab - 1] = float("inf")
+    x[4] = float("-inf")
+    x[5, : vocab // 2] = float("-inf")
+    x[6, vocab - 1] = 60.0  # the maximum in the tail
+    expected = x.argmax(dim=-1)
+    expected[2:5] = -1
+    got = torch.ops.wattserve.greedy_rows(x)
+    assert got.dtype == torch.long and got.tolist() == expected.tolist()
+    assert got[1] == 0
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        torch.ops.wattserve.greedy_rows(x.double())

@@ -206,3 +206,7 @@ def _register_fake() -> None:
     @torch.library.register_fake("wattserve::silu_mul")
     def _(gate_up):
         return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+    @torch.library.register_fake("wattserve::greedy_rows")
+    def _(logits):
+        return logits.new_empty(logits.shape[0], dtype=torch.long)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from wattserve.daemon.engine.request import SamplingParams
+from wattserve.kernels.extension import kernels_take
 from wattserve.kernels.norm_rope import triton_rows_take
 
 
@@ -38,6 +39,8 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     for a row with a NaN, a +inf or nothing finite; nothing is read back."""
     if triton_rows_take(logits):  # one launch on CUDA
         return torch.ops.wattserve.triton_greedy_ids(logits)
+    if logits.dtype == torch.float32 and kernels_take(logits):  # the CPU's C++ row op
+        return torch.ops.wattserve.greedy_rows(logits)
     # A row's maximum is NaN if any logit is, +inf if any is, -inf if none is finite.
     top, ids = logits.max(dim=-1)
     return torch.where(torch.isfinite(top), ids, -1)
@@ -64,9 +67,7 @@ def sample(
     dev = logits.device
     if all(p.greedy for p in params):  # one launch on CUDA
         return [None if t < 0 else t for t in greedy_ids(logits).cpu().tolist()]
-    # A row's maximum is NaN if any logit is, +inf if any is, -inf if none is finite.
-    top, tokens = logits.max(dim=-1)
-    finite = torch.isfinite(top)
+    greedy = tokens = greedy_ids(logits)  # -1: a row that fails, sampled or not
     spills = torch.zeros(n, dtype=torch.long, device=dev)
     truncating = {r: _truncates(p, vocab) for r, p in enumerate(params) if not p.greedy}
     # plain-temperature rows first, then the truncating ones: each part a slice
@@ -77,7 +78,7 @@ def sample(
         tokens = tokens.index_copy(0, idx, drawn)
         spills = spills.index_copy(0, idx, spilled.long())
     # -1 marks a row that fails; one read-back for the batch
-    ids, spill_flags = torch.stack([torch.where(finite, tokens, -1), spills]).cpu().tolist()
+    ids, spill_flags = torch.stack([torch.where(greedy < 0, -1, tokens), spills]).cpu().tolist()
     out: list[int | None] = [None if t < 0 else t for t in ids]
     again = [
         r for r, (t, spill) in enumerate(zip(ids, spill_flags, strict=True)) if spill and t >= 0

@@ -8,6 +8,11 @@
 //                                       q and k rotated (rotate-half convention), k and v
 //                                       stored at the token's cache slot, q returned
 //                                       contiguous as [T, H, D]
+//   greedy_rows(logits)                 per float32 row: the first index of its largest
+//                                       value, or -1 when the row holds a NaN or +inf or
+//                                       nothing finite (torch's max(dim=-1) tracks the
+//                                       index in every comparison and ran ~14x slower
+//                                       than amax over a 49,152-token vocabulary here)
 //
 // Each row is read once and written once, in float32 arithmetic (bf16 rows are widened
 // and the result rounded once), where the unfused torch calls make a pass and a tensor
@@ -25,6 +30,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -188,6 +198,56 @@ at::Tensor rope_write_kv_cpu(const at::Tensor& qkv, const at::Tensor& cos, const
   return q;
 }
 
+// The row's first argmax, -1 for a NaN, a +inf or no finite value. Two passes: the
+// maximum (and whether a NaN was seen), then the first position holding it (the row is
+// in cache by then).
+int64_t greedy_row(const float* x, int64_t V) {
+  float best = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_set1_ps(best);
+  __mmask16 unordered = 0;
+  for (; k + 16 <= V; k += 16) {
+    const __m512 v = _mm512_loadu_ps(x + k);
+    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    vmax = _mm512_max_ps(vmax, v);
+  }
+  best = _mm512_reduce_max_ps(vmax);
+  nan = unordered != 0;
+#endif
+  for (; k < V; ++k) {
+    const float v = x[k];
+    if (std::isnan(v)) nan = true;
+    else if (v > best) best = v;
+  }
+  if (nan || !std::isfinite(best)) return -1;
+  k = 0;
+#if defined(__AVX512F__)
+  const __m512 target = _mm512_set1_ps(best);
+  for (; k + 16 <= V; k += 16) {
+    const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + k), target, _CMP_EQ_OQ);
+    if (hit) return k + __builtin_ctz(static_cast<unsigned>(hit));
+  }
+#endif
+  for (; k < V; ++k)
+    if (x[k] == best) return k;
+  return -1;  // not reached: best is one of the row's values
+}
+
+at::Tensor greedy_rows_cpu(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
+              "greedy_rows: logits must be a contiguous float32 [N, V]");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  auto out = at::empty({N}, logits.options().dtype(at::kLong));
+  const float* xp = logits.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, N, row_grain(V), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = greedy_row(xp + r * V, V);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(wattserve, m) {
@@ -197,6 +257,7 @@ TORCH_LIBRARY_FRAGMENT(wattserve, m) {
   m.def(
       "rope_write_kv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slots, int num_heads, int num_kv_heads) -> Tensor");
+  m.def("greedy_rows(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(wattserve, CPU, m) {
@@ -204,4 +265,5 @@ TORCH_LIBRARY_IMPL(wattserve, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm_cpu);
   m.impl("silu_mul", &silu_mul_cpu);
   m.impl("rope_write_kv", &rope_write_kv_cpu);
+  m.impl("greedy_rows", &greedy_rows_cpu);
 }
