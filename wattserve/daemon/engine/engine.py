@@ -975,7 +975,7 @@ class Engine:
                         [row.token],  # type: ignore[list-item]
                         text,
                         prompt_tokens=len(seq.prompt_token_ids),
-                        completion_tokens=len(seq.output_token_ids) - seq.num_ahead,
+                        completion_tokens=seq.num_output_known,
                         logprobs=None if lp is None else [lp],
                         prompt_logprobs=row.prompt_logprobs,
                     ),

@@ -65,7 +65,7 @@ def sample(
     """
     n, vocab = logits.shape
     dev = logits.device
-    if all(p.greedy for p in params):  # one launch on CUDA
+    if all(p.greedy for p in params):  # one op: a Triton launch on CUDA, C++ on the CPU
         return [None if t < 0 else t for t in greedy_ids(logits).cpu().tolist()]
     greedy = tokens = greedy_ids(logits)  # -1: a row that fails, sampled or not
     spills = torch.zeros(n, dtype=torch.long, device=dev)
