@@ -81,6 +81,54 @@ def test_attach_serves_its_front_and_restores_the_gpu_at_sigterm(tmp_path) -> No
     assert not list(tmp_path.glob("*.json"))  # restored and removed at exit
 
 
+def test_attach_serves_the_dashboard_and_its_stream_ends_at_sigterm(tmp_path) -> None:
+    fake = FakeServer((DATA / "sglang-00ae9c1.metrics").read_text(), SGLANG)
+    port = free_port()
+    with serve_in_thread(fake.app) as url:
+        proc = _attach(
+            url, "--front-port", str(port), "--period-s", "0.2", "--device-backend", "virtual",
+            state_dir=tmp_path,
+        )  # fmt: skip
+        front = f"http://127.0.0.1:{port}"
+        events: list[str] = []
+        try:
+            deadline = time.monotonic() + 60
+            page = None
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    page = httpx.get(f"{front}/", timeout=2)
+                    break
+                except httpx.HTTPError:
+                    time.sleep(0.2)
+            assert page is not None, proc.stderr.read() if proc.poll() is not None else ""
+            assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+            assert httpx.get(f"{front}/dashboard/app.js", timeout=2).status_code == 200
+            status = httpx.get(f"{front}/v1/status", timeout=2).json()
+            assert status["model"] == f"sglang at {url}"
+            assert status["device"]["capabilities"]["is_virtual"] is True
+            assert status["server"]["control_enabled"] is False  # policy comes over MQTT
+            httpx.post(f"{front}/v1/completions", json={"prompt": "x", "max_tokens": 3})
+            signalled_s = None
+            with httpx.stream("GET", f"{front}/v1/events/stream", timeout=30) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("event: "):
+                        events.append(line[7:])
+                        if events.count("telemetry") == 2:
+                            # The stream is open: SIGTERM must still end it (uvicorn
+                            # waits for every connection before it exits).
+                            proc.send_signal(signal.SIGTERM)
+                            signalled_s = time.monotonic()
+                    if signalled_s is not None and time.monotonic() - signalled_s > 20:
+                        break  # still streaming after the signal: the assert below fails
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert events[0] == "backlog" and events[-1] == "end"
+
+
 def test_a_server_that_never_answers_is_one_line_and_exit_1(tmp_path) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     proc = _attach(url, "--wait-s", "0", "--device-backend", "virtual", state_dir=tmp_path)

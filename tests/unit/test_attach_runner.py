@@ -12,9 +12,16 @@ import pytest
 
 from wattserve.attach.admission import Admission
 from wattserve.attach.build import build_runner
+from wattserve.attach.feed import AttachFeed
+from wattserve.attach.front import RequestTiming
 from wattserve.attach.gpus import GpuGroup
 from wattserve.attach.names import BY_KIND
-from wattserve.attach.runner import METRICS_MISSING, OK, SERVER_DOWN, http_fetcher
+from wattserve.attach.runner import (
+    METRICS_MISSING,
+    OK,
+    SERVER_DOWN,
+    http_fetcher,
+)
 from wattserve.bench.attach_fake import FakeServer, serve_in_thread
 from wattserve.controller.policy import Knobs
 from wattserve.daemon.config import ControllerConfig, DeviceConfig
@@ -249,5 +256,45 @@ def test_learning_starts_below_the_top_clock_only_where_the_board_cannot_hold(
         # The first learning decision (its second half is at half the top clock anyway).
         first = learning[0].knobs.sm_clock_mhz
         assert first <= top // 2 if budget_w == 160 else first == top
+    finally:
+        group.close()
+
+
+def test_the_attach_feed_shows_the_window_the_front_saw_and_the_decisions(fake, tmp_path) -> None:
+    feed = AttachFeed(period_s=0.1)
+    group = GpuGroup(
+        [open_device(DeviceConfig(backend="virtual", mode="control", state_dir=tmp_path))]
+    )
+    clock = Clock()
+    runner = build_runner(
+        ControllerConfig(mode="auto", power_budget_w=300, ttft_slo_ms=500, tpot_slo_ms=100),
+        fake.names,
+        http_fetcher(fake.url),
+        group,
+        admission=Admission(64),
+        max_num_seqs=64,
+        server_url=fake.url,
+        clock=clock,
+        sinks=(feed.on_decision,),
+    )
+    try:
+        feed.follow(runner)
+        t = _load(fake.url, 10)
+        _steps(runner, clock, 3)
+        t.join()
+        # Two requests the front saw end (one past the 500 ms TTFT SLO), one aborted.
+        feed.on_request(RequestTiming(0.1, 0.01, 10, aborted=False))
+        feed.on_request(RequestTiming(0.9, 0.01, 10, aborted=False))
+        feed.on_request(RequestTiming(None, None, None, aborted=True))
+        snap = feed.snapshot()
+        assert snap.serving.requests_finished == 2
+        assert snap.latency.slo_attainment_ratio == pytest.approx(0.5)
+        assert snap.serving.energy_window_j is not None and snap.serving.energy_window_j > 0
+        assert snap.knobs.sm_clock_lock_mhz is not None  # the controller's clock
+        assert snap.policy["power_budget_w"] == 300
+        # The controller's decisions are the feed's events (the page's event list).
+        assert any(e.kind == "decision" for e in feed.recent_events())
+        # The next window starts empty.
+        assert feed.snapshot().serving.requests_finished == 0
     finally:
         group.close()

@@ -5,8 +5,9 @@ a streamed answer is relayed event by event, with `stream_options.include_usage`
 the server (the token count gives TPOT) and the usage taken out again when the client did
 not ask for it. TTFT and TPOT are measured here, on what clients see, and handed to the
 control loop. A client that goes away closes the upstream stream (the server aborts the
-request); the sequences free when that stream is closed. Any other path is forwarded as
-is. Errors are OpenAI-shaped. It must not decide anything: the cap is set from outside.
+request); the sequences free when that stream is closed. /v1/status and the routes given
+(the dashboard's) are answered here; any other path is forwarded as is. Errors are
+OpenAI-shaped. It must not decide anything: the cap is set from outside.
 
 The request path is kept lean, since its cost is added to every client's TTFT: the two
 generation paths are plain ASGI (not FastAPI's middleware stack), the upstream client is
@@ -21,12 +22,12 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from fastapi import FastAPI, Request, Response
+from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from wattserve.attach.admission import Admission
@@ -158,11 +159,13 @@ class Front:
         admission: Admission,
         hooks: FrontHooks | None = None,
         *,
+        routers: Sequence[APIRouter] = (),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.upstream_url = upstream_url.rstrip("/")
         self.admission = admission
         self.hooks = hooks or FrontHooks()
+        self._routers = tuple(routers)
         self._clock = clock
         self._session: aiohttp.ClientSession | None = None
         self.api = self._build_app()
@@ -212,6 +215,9 @@ class Front:
         @app.get("/v1/status")
         async def status() -> JSONResponse:
             return JSONResponse(self.hooks.status())
+
+        for router in self._routers:  # the dashboard's, ahead of the pass-through
+            app.include_router(router)
 
         @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE"])
         async def passthrough(path: str, request: Request) -> Response:

@@ -3,7 +3,8 @@
 Life: wait for the server's /metrics (it may still be loading), tell its kind unless given,
 open every GPU it uses through the device layer ([device]: backend, mode, state files),
 build the runner ([controller]) and start it. Until SIGTERM/SIGINT (our handlers, not
-uvicorn's) it serves the front with --front-port on [server].host, the daemon's MQTT link
+uvicorn's) it serves the front with --front-port on [server].host (with the daemon's
+dashboard at / unless [server] dashboard_enabled is false), the daemon's MQTT link
 with [mqtt] enabled (telemetry, status, policy) and its fleet link with [fleet] enabled
 (the server is one node). At exit the runner stops and every GPU gets back the settings
 recorded when they were first changed (the daemon's restore). Errors a user can fix end
@@ -13,6 +14,7 @@ as one line and exit 1. It wires; it decides nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -26,12 +28,14 @@ import uvicorn
 from wattserve.attach.admission import Admission
 from wattserve.attach.build import build_runner
 from wattserve.attach.detect import DetectError, detect_kind
+from wattserve.attach.feed import AttachFeed
 from wattserve.attach.front import Front, FrontHooks
 from wattserve.attach.gpus import GpuGroup
 from wattserve.attach.names import BY_KIND
-from wattserve.attach.runner import AttachRunner, http_fetcher
+from wattserve.attach.runner import OK, AttachRunner, http_fetcher
 from wattserve.attach.telemetry import telemetry_payload
 from wattserve.controller.schema import PolicyModel, PolicyPatch, to_model, to_policy
+from wattserve.daemon.api.dashboard import dashboard_router
 from wattserve.daemon.config import Config
 from wattserve.daemon.device import open_device
 from wattserve.daemon.device.protocol import DeviceError
@@ -130,10 +134,30 @@ def _fleet_link(cfg: Config, runner: AttachRunner) -> FleetNodeLink:
     )
 
 
+def _status(runner: AttachRunner, url: str, kind: str) -> dict[str, Any]:
+    """GET /v1/status on the front: the runner's, with what the dashboard's header reads
+    where the daemon's status has it (model, phase, device, policy, control API)."""
+    return {
+        "phase": "ready" if runner.health == OK else runner.health,
+        "model": f"{kind} at {url}",
+        "policy": to_model(runner.control.controller.policy).model_dump(mode="json"),
+        "device": {"capabilities": runner.device.capabilities().to_dict()},
+        # Policy changes reach attach over MQTT (policy/set), not the page's form.
+        "server": {"control_enabled": False, "policy_over_mqtt": True},
+        **runner.status(),
+    }
+
+
 async def _serve(
-    cfg: Config, runner: AttachRunner, url: str, kind: str, front_port: int | None
+    cfg: Config,
+    runner: AttachRunner,
+    url: str,
+    kind: str,
+    front_port: int | None,
+    feed: AttachFeed | None,
 ) -> None:
-    """Until SIGTERM/SIGINT: the front (if any) and the MQTT link (if [mqtt] enabled)."""
+    """Until SIGTERM/SIGINT: the front (if any) with the dashboard (if
+    [server] dashboard_enabled), and the MQTT link (if [mqtt] enabled)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     server: uvicorn.Server | None = None
@@ -151,15 +175,25 @@ async def _serve(
         await link.start()
     if fleet is not None:
         await fleet.start()
+    feed_task = asyncio.create_task(feed.run()) if feed is not None else None
     try:
         if front_port is not None and runner.admission is not None:
             control = runner.control
             hooks = FrontHooks(
                 on_ttft_s=control.record_ttft_s,
                 on_tpot_s=control.record_tpot_s,
-                status=runner.status,
+                status=lambda: _status(runner, url, kind),
             )
-            front = Front(url, runner.admission, hooks)
+            routers = []
+            if feed is not None:
+                hooks.on_request = feed.on_request
+                # The daemon's page over this feed. Its streams end at a signal: uvicorn's
+                # graceful stop waits for every open connection.
+                def stream_over() -> str | None:
+                    return "stopped" if stop.is_set() else None
+
+                routers.append(dashboard_router(feed, stream_over, cfg.server.max_event_streams))
+            front = Front(url, runner.admission, hooks, routers=routers)
             server = QuietSignalsServer(
                 uvicorn.Config(
                     front.app, host=cfg.server.host, port=front_port, log_level="warning"
@@ -169,6 +203,10 @@ async def _serve(
         else:
             await stop.wait()
     finally:
+        if feed_task is not None:
+            feed_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await feed_task
         if fleet is not None:
             await fleet.stop()
         if link is not None:
@@ -196,6 +234,8 @@ def run(cfg: Config, opts: AttachOptions) -> int:
     names = BY_KIND[kind]  # type: ignore[index]
     device = open_gpus(cfg, opts.gpus)
     admission = Admission(cfg.engine.max_num_seqs) if opts.front_port is not None else None
+    dashboard = opts.front_port is not None and cfg.server.dashboard_enabled
+    feed = AttachFeed() if dashboard else None
     runner = build_runner(
         cfg.controller,
         names,
@@ -206,7 +246,10 @@ def run(cfg: Config, opts: AttachOptions) -> int:
         server_url=url,
         period_s=opts.period_s,
         flops_per_token=opts.flops_per_token,
+        sinks=(feed.on_decision,) if feed is not None else (),
     )
+    if feed is not None:
+        feed.follow(runner)
     log.info(
         "attach: %s server at %s, %d GPU(s), controller %s, front %s",
         kind,
@@ -217,7 +260,7 @@ def run(cfg: Config, opts: AttachOptions) -> int:
     )
     runner.start()
     try:
-        asyncio.run(_serve(cfg, runner, url, kind, opts.front_port))
+        asyncio.run(_serve(cfg, runner, url, kind, opts.front_port, feed))
     finally:
         runner.stop()
         device.close()

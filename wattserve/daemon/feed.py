@@ -12,7 +12,9 @@ request that finishes before a consumer's first tick is still counted by it. Eve
 and fanned out to listeners on the daemon's event loop; the last few minutes of both are
 kept for a page that has just opened.
 
-It reads state and hands payloads on; it must not decide, apply knobs or do network I/O.
+FeedHub keeps and fans out; LiveFeed is the daemon's snapshot (wattserve attach has its
+own, wattserve/attach/feed.py). It reads state and hands payloads on; it must not decide,
+apply knobs or do network I/O.
 """
 
 from __future__ import annotations
@@ -95,27 +97,21 @@ class Subscription:
         return self._items.popleft() if self._items else None
 
 
-class LiveFeed:
-    """Telemetry snapshots and events of one serving process.
+class FeedHub:
+    """Telemetry snapshots each period_s and the events of one process, kept for the last
+    few minutes and handed to every listener and subscription on the event loop.
 
-    run() ticks on the daemon's event loop; publish_event(), record_request() and
-    snapshot() are safe from any thread.
+    What a snapshot holds is the subclass's (snapshot()); run() ticks on the event loop;
+    publish_event() and on_decision() are safe from any thread.
     """
 
     def __init__(
-        self,
-        state: ServingState,
-        *,
-        period_s: float = 1.0,
-        history_s: float = 300.0,
-        events_max: int = 500,
+        self, *, period_s: float = 1.0, history_s: float = 300.0, events_max: int = 500
     ) -> None:
         if period_s <= 0:
             raise ValueError("feed period_s must be > 0")
-        self.state = state
         self.period_s = period_s
         self._lock = threading.Lock()
-        self._windows: dict[str, TelemetryWindow] = {}
         self._history: collections.deque[TelemetryPayload] = collections.deque(
             maxlen=max(1, int(history_s / period_s))
         )
@@ -125,47 +121,25 @@ class LiveFeed:
         self._subscriptions: set[Subscription] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_decision: tuple[str, str] | None = None
-        self._seen_level: str | None = None
-        self._seen_stale: bool | None = None
-        self.open_window(LIVE_WINDOW)
 
-    def open_window(self, name: str) -> None:
-        """Register a consumer's window; from now on every finished request is recorded in it.
+    def snapshot(self) -> TelemetryPayload:
+        raise NotImplementedError
 
-        Call it when the consumer is built, not at its first snapshot: a window opened by
-        its first snapshot misses the requests that finished before that tick.
-        """
-        win = TelemetryWindow()
-        win.start(now_s=time.monotonic(), **self._counters_now())
-        with self._lock:
-            if name in self._windows:
-                raise ValueError(f"feed window {name!r} is already open")
-            self._windows[name] = win
+    def _watch_transitions(self, snap: TelemetryPayload) -> None:
+        """Events for what consecutive snapshots show changing (none by default)."""
 
-    # ---- inputs (any thread) ---------------------------------------------------------------
+    def _count_event(self, kind: str) -> None:
+        """Count a published event (the daemon's Prometheus counter; nothing by default)."""
 
-    def record_request(self, ttft_s: float, tpot_s: float | None) -> None:
-        """One finished request's latencies, into every consumer's window."""
-        with self._lock:
-            windows = list(self._windows.values())
-        for w in windows:
-            w.record_request(ttft_s * 1000.0, None if tpot_s is None else tpot_s * 1000.0)
-
-    def on_request_finished(self, event: RequestFinished) -> None:
-        """Request-event subscriber: a request whose end the API saw, with a first token,
-        is a latency sample of every window."""
-        if event.e2e_s is not None and event.ttft_s is not None:
-            self.record_request(event.ttft_s, event.tpot_s)
-
-    def on_first_token(self, event: FirstToken) -> None:
-        pass  # TTFT is taken with the finished request, as one sample
+    def _count_decision(self, reason_code: str) -> None:
+        """Count a published decision (as _count_event)."""
 
     def publish_event(
         self, kind: EventKind, message: str, data: dict[str, Any] | None = None
     ) -> EventPayload:
         """Record an event and hand it to every listener (on the event loop)."""
         event = EventPayload(kind=kind, message=message[:2000], data=data or {})
-        self.state.metrics.events.labels(kind).inc()
+        self._count_event(kind)
         with self._lock:
             self._events.append(event)
         self._dispatch(FeedItem("event", event))
@@ -178,7 +152,7 @@ class LiveFeed:
         if not decision.changed and key == self._last_decision:
             return
         self._last_decision = key
-        self.state.metrics.decisions.labels(decision.reason_code.value).inc()
+        self._count_decision(decision.reason_code.value)
         prefix = "decision" if decision.apply else "advice (observe mode)"
         self.publish_event("decision", f"{prefix}: {decision.reason}", decision.to_dict())
 
@@ -230,7 +204,7 @@ class LiveFeed:
         try:
             while True:
                 try:
-                    snap = self.snapshot(LIVE_WINDOW)
+                    snap = self.snapshot()
                 except Exception:  # a broken reading must not end the feed
                     log.exception("live feed: snapshot failed")
                 else:
@@ -245,6 +219,95 @@ class LiveFeed:
                 subs = list(self._subscriptions)
             for sub in subs:
                 sub.close()
+
+    # ---- fan-out -------------------------------------------------------------------------------
+
+    def _dispatch(self, item: FeedItem) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return  # not running: kept in history/recent events only
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._deliver(item)
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._deliver, item)
+
+    def _deliver(self, item: FeedItem) -> None:
+        with self._lock:
+            subs = list(self._subscriptions)
+            listeners: list[Callable[[Any], None]] = list(
+                self._telemetry_listeners if item.kind == "telemetry" else self._event_listeners
+            )
+        for sub in subs:
+            sub.put(item)
+        for listener in listeners:
+            try:
+                listener(item.payload)
+            except Exception:  # one consumer's failure must not starve the others
+                log.exception("live feed: listener %r failed", listener)
+
+
+class LiveFeed(FeedHub):
+    """The daemon's feed: snapshots of its serving state, with window figures per consumer.
+
+    record_request() and snapshot() are safe from any thread.
+    """
+
+    def __init__(
+        self,
+        state: ServingState,
+        *,
+        period_s: float = 1.0,
+        history_s: float = 300.0,
+        events_max: int = 500,
+    ) -> None:
+        super().__init__(period_s=period_s, history_s=history_s, events_max=events_max)
+        self.state = state
+        self._windows: dict[str, TelemetryWindow] = {}
+        self._seen_level: str | None = None
+        self._seen_stale: bool | None = None
+        self.open_window(LIVE_WINDOW)
+
+    def _count_event(self, kind: str) -> None:
+        self.state.metrics.events.labels(kind).inc()
+
+    def _count_decision(self, reason_code: str) -> None:
+        self.state.metrics.decisions.labels(reason_code).inc()
+
+    def open_window(self, name: str) -> None:
+        """Register a consumer's window; from now on every finished request is recorded in it.
+
+        Call it when the consumer is built, not at its first snapshot: a window opened by
+        its first snapshot misses the requests that finished before that tick.
+        """
+        win = TelemetryWindow()
+        win.start(now_s=time.monotonic(), **self._counters_now())
+        with self._lock:
+            if name in self._windows:
+                raise ValueError(f"feed window {name!r} is already open")
+            self._windows[name] = win
+
+    # ---- inputs (any thread) ---------------------------------------------------------------
+
+    def record_request(self, ttft_s: float, tpot_s: float | None) -> None:
+        """One finished request's latencies, into every consumer's window."""
+        with self._lock:
+            windows = list(self._windows.values())
+        for w in windows:
+            w.record_request(ttft_s * 1000.0, None if tpot_s is None else tpot_s * 1000.0)
+
+    def on_request_finished(self, event: RequestFinished) -> None:
+        """Request-event subscriber: a request whose end the API saw, with a first token,
+        is a latency sample of every window."""
+        if event.e2e_s is not None and event.ttft_s is not None:
+            self.record_request(event.ttft_s, event.tpot_s)
+
+    def on_first_token(self, event: FirstToken) -> None:
+        pass  # TTFT is taken with the finished request, as one sample
 
     def _watch_transitions(self, snap: TelemetryPayload) -> None:
         """Events for what the snapshots show changing: the quantization level in use (by
@@ -334,33 +397,3 @@ class LiveFeed:
             "prompt_tokens": counters.prompt_tokens if counters else 0,
             "energy_j": reading.energy_j if reading is not None else None,
         }
-
-    # ---- fan-out -------------------------------------------------------------------------------
-
-    def _dispatch(self, item: FeedItem) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return  # not running: kept in history/recent events only
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            self._deliver(item)
-        else:
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(self._deliver, item)
-
-    def _deliver(self, item: FeedItem) -> None:
-        with self._lock:
-            subs = list(self._subscriptions)
-            listeners: list[Callable[[Any], None]] = list(
-                self._telemetry_listeners if item.kind == "telemetry" else self._event_listeners
-            )
-        for sub in subs:
-            sub.put(item)
-        for listener in listeners:
-            try:
-                listener(item.payload)
-            except Exception:  # one consumer's failure must not starve the others
-                log.exception("live feed: listener %r failed", listener)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from wattserve.daemon.api.errors import APIError, error_response
 from wattserve.daemon.api.state import Phase, ServingState
+from wattserve.daemon.feed import FeedHub
 from wattserve.daemon.mqtt.payloads import EventPayload, TelemetryPayload
 
 # How often the stream looks at the daemon's phase while waiting for the next item.
@@ -131,9 +132,9 @@ def _stream_over(state: ServingState) -> str | None:
     return None
 
 
-async def _event_stream(state: ServingState, energy: EnergyCounter) -> AsyncIterator[bytes]:
-    feed = state.feed
-    assert feed is not None
+async def _event_stream(
+    feed: FeedHub, stream_over: Callable[[], str | None], energy: EnergyCounter
+) -> AsyncIterator[bytes]:
     async with feed.subscribe(_SUBSCRIPTION_ITEMS) as sub:
         # No await between subscribing and reading the backlog: the feed ticks on this
         # loop, so no snapshot falls between the two. An event published from another
@@ -151,7 +152,7 @@ async def _event_stream(state: ServingState, energy: EnergyCounter) -> AsyncIter
         yield f"retry: {_RETRY_MS}\n\n".encode() + _sse("backlog", json.dumps(backlog))
         quiet_s = 0.0
         while True:
-            reason = _stream_over(state)
+            reason = stream_over()
             if reason is not None:
                 break
             item = await sub.get(_POLL_S)
@@ -173,13 +174,24 @@ async def _event_stream(state: ServingState, energy: EnergyCounter) -> AsyncIter
 
 
 def build_router(state: ServingState) -> APIRouter:
-    """The dashboard's routes for one app; counts energy from `state.feed` while it runs."""
+    """The daemon's dashboard: its live feed, ending the stream as the daemon stops."""
+    return dashboard_router(
+        state.feed, lambda: _stream_over(state), state.cfg.server.max_event_streams
+    )
+
+
+def dashboard_router(
+    feed: FeedHub | None, stream_over: Callable[[], str | None], max_streams: int
+) -> APIRouter:
+    """The dashboard's routes over one feed (the daemon's, or wattserve attach's); counts
+    energy from the feed while it runs. stream_over: why an open stream should end now
+    (None: it goes on)."""
     assets = load_assets()
     energy = EnergyCounter()
-    if state.feed is not None:
-        state.feed.add_listener(on_telemetry=energy.on_telemetry)
+    if feed is not None:
+        feed.add_listener(on_telemetry=energy.on_telemetry)
     router = APIRouter(tags=["dashboard"], include_in_schema=False)
-    subscribers = _Subscribers(state.cfg.server.max_event_streams)
+    subscribers = _Subscribers(max_streams)
 
     @router.get("/")
     async def page(request: Request) -> Response:
@@ -196,9 +208,9 @@ def build_router(state: ServingState) -> APIRouter:
     # a schema-driven client to call (docs/dashboard.md describes it).
     @router.get("/v1/events/stream")
     async def events_stream() -> Response:
-        if state.feed is None:
+        if feed is None:
             raise APIError(503, "the live feed is not running", code="feed_unavailable")
-        return _CountedEventStream(_event_stream(state, energy), subscribers)
+        return _CountedEventStream(_event_stream(feed, stream_over, energy), subscribers)
 
     return router
 

@@ -560,7 +560,10 @@
         data.status = await r.json();
         data.statusAtS = Date.now() / 1000;
         const enabled = data.status.server?.control_enabled;
-        if (enabled === false) {
+        if (data.status.server?.policy_over_mqtt) {
+          $("f-token-note").textContent =
+            "wattserve attach takes policy changes over MQTT (policy/set), not from this page.";
+        } else if (enabled === false) {
           $("f-token-note").textContent =
             "The daemon has no API token configured, so its control API is off.";
         }
