@@ -21,6 +21,7 @@ from wattserve.attach.runner import (
     OK,
     SERVER_DOWN,
     http_fetcher,
+    synthetic_steps,
 )
 from wattserve.bench.attach_fake import FakeServer, serve_in_thread
 from wattserve.controller.policy import Knobs
@@ -256,6 +257,42 @@ def test_learning_starts_below_the_top_clock_only_where_the_board_cannot_hold(
         # The first learning decision (its second half is at half the top clock anyway).
         first = learning[0].knobs.sm_clock_mhz
         assert first <= top // 2 if budget_w == 160 else first == top
+    finally:
+        group.close()
+
+
+def test_a_modelled_gpu_stretches_the_steps_the_controller_learns_from(fake, tmp_path) -> None:
+    """Where the runner books the server's work on a virtual GPU (the bench), the server is
+    not slowed by the GPU's clock: the steps fed to the controller carry the stretch the
+    virtual GPU gave the last window at the clock decided after it."""
+    fake.state.first_token_s, fake.state.token_s = 0.01, 0.005
+    runner, group, clock = _runner(fake, tmp_path)
+    runner._flops_per_token, runner._weight_bytes_per_step = 16e9, 16e9
+    try:
+        group.devices[0].lock_sm_clocks_mhz(345, 345)  # the virtual H200's lowest clock
+        runner.control.tick = lambda: None  # hold that clock: no decision moves it
+        t = _load(fake.url, 30)
+        _steps(runner, clock, 3)
+        t.join()
+        stretch = runner._stretch
+        assert stretch > 1.0  # booked at 345 MHz: slower than at the top clock
+        window_stats = runner.last_window
+        steps = synthetic_steps(window_stats, 2000.0, stretch)
+        plain = synthetic_steps(window_stats, 2000.0)
+        assert steps and len(steps) == len(plain)
+        assert steps[0].duration_s == pytest.approx(plain[0].duration_s * stretch)
+        assert steps[-1].started_at_s + steps[-1].duration_s == pytest.approx(2000.0)
+    finally:
+        group.close()
+
+
+def test_nvml_books_nothing_so_the_steps_are_as_measured(fake, tmp_path) -> None:
+    runner, group, clock = _runner(fake, tmp_path)  # no flops per token: nothing booked
+    try:
+        t = _load(fake.url, 10)
+        _steps(runner, clock, 3)
+        t.join()
+        assert runner._stretch == 1.0
     finally:
         group.close()
 

@@ -3,8 +3,9 @@
 Each period it reads the server's /metrics, turns the change since the last scrape into a
 window (wattserve.attach.window), hands the engine adapter its queues and counters, gives
 the control loop synthetic steps covering the window's busy time (the server's steps are
-not visible: their mean duration is the mean inter-token latency) and, without a front,
-the window's latency samples; then it ticks the control loop, which decides and applies
+not visible: their mean duration is the mean inter-token latency, times the modelled
+GPU's stretch where the runner books the work on one) and, without a front, the window's
+latency samples; then it ticks the control loop, which decides and applies
 as in the daemon. Faults never raise: a server that does not answer, metrics missing or
 renamed, or an exposition that does not parse put the GPUs back to their recorded
 settings (what exit restores), lift the admission cap, say so once in the log and in the
@@ -68,17 +69,21 @@ class SyntheticStep:
     quant_level: str | None = None
 
 
-def synthetic_steps(w: WindowStats, now_s: float) -> list[SyntheticStep]:
-    """Steps laid end to end before now_s covering the window's busy time, sharing its tokens."""
+def synthetic_steps(w: WindowStats, now_s: float, stretch: float = 1.0) -> list[SyntheticStep]:
+    """Steps laid end to end before now_s covering the window's busy time, sharing its tokens.
+
+    stretch: the modelled GPU's slow-down of this window's steps at the clock in force
+    (1 where the server's own GPU ran them: its measured times already carry the clock).
+    """
     tokens = w.prompt_tokens + w.generation_tokens
     if tokens <= 0 or w.itl_mean_s is None or w.itl_mean_s <= 0:
         return []
     count = int(min(MAX_STEPS_PER_WINDOW, max(1, w.duration_s / w.itl_mean_s)))
     busy_s = min(w.duration_s, w.itl_mean_s * max(1.0, w.itl_count / max(1.0, w.running)))
-    step_s = busy_s / count
+    step_s = busy_s * stretch / count
     prefill = int(round(w.prompt_tokens / count))
     decode = max(1, int(round(w.generation_tokens / count)))
-    start = now_s - busy_s
+    start = now_s - step_s * count
     return [SyntheticStep(start + i * step_s, step_s, prefill, decode) for i in range(count)]
 
 
@@ -130,6 +135,9 @@ class AttachRunner:
         self._base_generation = 0.0
         self._bypass_run = 0
         self._clean_run = 0
+        # The modelled GPU's stretch of the last window booked, at the clock decided after
+        # it: the clock the next window runs under (1 with NVML, which books nothing).
+        self._stretch = 1.0
         self.bypass_detected = False
         self.bypass_excess_seqs = 0.0
         self._stop = threading.Event()
@@ -190,7 +198,7 @@ class AttachRunner:
             self._base_prompt + (self._prev.prompt_tokens_total or 0.0),  # type: ignore[union-attr]
             self._base_generation + (self._prev.generation_tokens_total or 0.0),  # type: ignore[union-attr]
         )
-        steps = synthetic_steps(w, now)
+        steps = synthetic_steps(w, now, self._stretch)
         for s in steps:
             self.control.on_step(s)
         if self.admission is None:
@@ -206,9 +214,9 @@ class AttachRunner:
         if self._flops_per_token <= 0 or not steps:
             return
         tokens = w.prompt_tokens + w.generation_tokens
-        busy_s = sum(s.duration_s for s in steps)
+        busy_s = sum(s.duration_s for s in steps) / self._stretch  # as the server measured it
         server_steps = busy_s / w.itl_mean_s  # type: ignore[operator]
-        self.device.record_engine_step(
+        extra_s = self.device.record_engine_step(
             EngineActivity(
                 step_duration_s=busy_s,
                 prefill_tokens=int(w.prompt_tokens),
@@ -217,6 +225,9 @@ class AttachRunner:
                 flops=self._flops_per_token * tokens,
             )
         )
+        # The controller's step model then sees what a slower clock costs, as it would on
+        # a GPU the server runs on (this server is not slowed: the GPU is modelled).
+        self._stretch = (busy_s + extra_s) / busy_s if busy_s > 0 else 1.0
 
     def _watch_bypass(self, w: WindowStats) -> None:
         if self.admission is None:
