@@ -9,11 +9,10 @@ lower clock's effect on latency is modelled: each run's measured TTFT/TPOT times
 virtual GPU's stretch at the clocks in force, averaged over its busy time. The admission
 cap's effect is real; the controller is given the front's latencies times that stretch,
 and the runner's steps carry it too (attach/runner.py). The budget, unless given, is
-BUDGET_W_BY_PEER's. The SLOs, unless
-given, are SLO_HEADROOM x the p90 of a direct warm-up at the highest rate (ones the
-uncontrolled server meets here). The JSON line says which is which. Also measured: the
-front's TTFT overhead, paired against the fake server (direct, then through the front).
-It must not be run by tests.
+BUDGET_W_BY_PEER's; the SLOs, unless given, are SLO_HEADROOM x the p90 of a direct
+warm-up at the highest rate (ones the uncontrolled server meets here). The JSON line says
+which is which. Also measured: the front's TTFT overhead, paired against the fake server
+(direct, then through the front). It must not be run by tests.
 """
 
 from __future__ import annotations
