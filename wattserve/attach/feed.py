@@ -30,7 +30,8 @@ class AttachFeed(FeedHub):
 
     def follow(self, runner: AttachRunner) -> None:
         self._runner = runner
-        self._window.start(now_s=time.monotonic(), **self._counters(runner))
+        energy_j = runner.device.read().energy_j
+        self._window.start(now_s=time.monotonic(), **self._counters(runner, energy_j))
 
     def on_request(self, timing: RequestTiming) -> None:
         """Front hook: a streamed request the front saw end, with a first token, is one
@@ -41,23 +42,23 @@ class AttachFeed(FeedHub):
             )
 
     @staticmethod
-    def _counters(runner: AttachRunner) -> dict:
+    def _counters(runner: AttachRunner, energy_j: float | None) -> dict:
         counters = runner.engine.counters
         return {
             "generation_tokens": counters.generation_tokens,
             "prompt_tokens": counters.prompt_tokens,
-            "energy_j": runner.device.read().energy_j,
+            "energy_j": energy_j,
         }
 
     def snapshot(self) -> TelemetryPayload:
         runner = self._runner
         if runner is None:
             raise RuntimeError("AttachFeed.follow(runner) was not called")
-        payload = telemetry_payload(runner)
+        payload = telemetry_payload(runner)  # the one GPU read of the snapshot
         policy = runner.control.controller.policy
         figures = self._window.close(
             now_s=time.monotonic(),
-            **self._counters(runner),
+            **self._counters(runner, payload.device.energy_j),
             ttft_slo_ms=policy.ttft_slo_ms,
             tpot_slo_ms=policy.tpot_slo_ms,
         )
